@@ -1,0 +1,31 @@
+"""hf-blockpilot: block-diffusion (DFlash) speculative decoding for Transformers, with per-request block sizes.
+
+    import hf_blockpilot
+    drafter = hf_blockpilot.BlockDiffusionDrafter.from_pretrained("z-lab/Qwen3-4B-DFlash-b16")
+    target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
+    drafter.last_stats.tau
+
+Importing the package registers the drafter with `AutoConfig`/`AutoModel` and routes
+`generate(assistant_model=<BlockDiffusionDrafter>)` to the block-diffusion candidate generator.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .candidate_generator import BlockDiffusionCandidateGenerator, install_generate_routing
+from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
+from .modeling_block_diffusion import BlockDiffusionDrafter
+from .stats import SpeculationStats
+
+__version__ = "0.1.0.dev0"
+
+AutoConfig.register(BlockDiffusionConfig.model_type, BlockDiffusionConfig, exist_ok=True)
+AutoModel.register(BlockDiffusionConfig, BlockDiffusionDrafter, exist_ok=True)
+install_generate_routing()
+
+__all__ = [
+    "BlockDiffusionCandidateGenerator",
+    "BlockDiffusionConfig",
+    "BlockDiffusionDrafter",
+    "SpeculationStats",
+    "build_target_layer_ids",
+]

@@ -1,0 +1,245 @@
+"""Block-diffusion candidate generator and its routing inside `generate()`.
+
+After `import hf_blockpilot`, `target.generate(..., assistant_model=drafter)` with a `BlockDiffusionDrafter`
+builds a `BlockDiffusionCandidateGenerator`; every other assistant goes through stock Transformers.
+
+Round by round, inside Transformers' own assisted-decoding loop:
+  round 0: no candidates, so the loop's first target forward is the plain prefill;
+  after it: the block size is chosen once (policy, else `drafter.block_size`);
+  each round: context K/V of newly verified tokens -> one drafter forward over [last, MASK x (b-1)] ->
+  up to b-1 drafts, sampled (T>0) from exactly the logits returned to the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from .stats import SpeculationStats
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class BlockDiffusionCandidateGenerator(CandidateGenerator):
+    """Drafts a block of `b - 1` tokens per round with one forward of a `BlockDiffusionDrafter`.
+
+    The drafter's context is the target's hidden states of *verified* tokens only, taken from the target
+    forwards the loop runs anyway (`output_hidden_states`), so no target compute is added.
+    """
+
+    requires_model_outputs = True
+    # The full tuple keeps the `hidden_states[i + 1]` indexing identical across Transformers 5.x releases
+    # (a list of layers is indexed differently in 5.17 and 5.23); the tensors exist anyway.
+    model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}
+
+    def __init__(
+        self,
+        drafter: BlockDiffusionDrafter,
+        target: PreTrainedModel,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None = None,
+        target_tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"block-diffusion speculative decoding supports batch size 1, got {input_ids.shape[0]}: "
+                "call generate() once per prompt."
+            )
+        drafter.check_compatible(target)
+        self.drafter = drafter
+        self.device = drafter.device
+        self.embed_tokens = target.get_input_embeddings()
+        self.head_weight, self.head_bias = drafter.draft_head(target.get_output_embeddings())
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
+        self.stop_strings = None
+        if generation_config.stop_strings:
+            if target_tokenizer is None:
+                raise ValueError("`stop_strings` needs `tokenizer=` passed to generate().")
+            self.stop_strings = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
+        self.cache = DraftContextCache()
+        self.block_size: int | None = None
+        self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1])
+        drafter.last_stats = self.stats
+
+    # ------------------------------------------------------------------------------------ main contract
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs: Any = None,
+        is_first_iteration: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Return `input_ids` extended by the drafts, and the (processed) logits the drafts were drawn from."""
+        self.stats.target_forwards += 1  # every call is followed by exactly one target forward
+        if is_first_iteration:
+            self.stats.drafted_per_round.append(0)
+            return input_ids, None
+        if self.block_size is None:
+            self.block_size = self._choose_block_size(input_ids, model_outputs)
+        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        if num_drafts <= 0:  # speculation off (b = 1) or no room left before max_length
+            self.stats.drafted_per_round.append(0)
+            return input_ids, None
+        logits = self._draft_logits(input_ids, model_outputs)[:, :num_drafts]
+        drafts, logits = self._select(input_ids, logits)
+        drafts, logits = self._cut_before_stop(input_ids, drafts, logits)
+        self.stats.drafted_per_round.append(drafts.shape[1])
+        if drafts.shape[1] == 0:
+            return input_ids, None
+        return torch.cat([input_ids, drafts], dim=-1), logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: Any) -> None:
+        """Record the round's outcome (the block size itself is fixed for the request)."""
+        self.stats.accepted_per_round.append(int(num_matches))
+        self.stats.new_tokens = input_ids.shape[1] - self.stats.prompt_tokens
+
+    # --------------------------------------------------------------------------------------- the steps
+    def _choose_block_size(self, input_ids: torch.LongTensor, prefill_outputs: Any) -> int:
+        policy = self.drafter.policy
+        if policy is None:
+            block_size = self.drafter.block_size
+        else:
+            start = time.perf_counter()
+            block_size, probs = policy.choose_block_size(prefill_outputs, input_ids)
+            self.stats.policy_seconds = time.perf_counter() - start
+            self.stats.policy_probs = probs
+        self.stats.block_size = block_size
+        return block_size
+
+    def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target hidden states (at the drafter's layers) and positions of tokens verified since last round."""
+        seen = self.cache.get_seq_length()
+        num_new = input_ids.shape[1] - 1 - seen  # every committed token but the last went through the target
+        hidden_states = getattr(model_outputs, "hidden_states", None)
+        if hidden_states is None or hidden_states[0].shape[1] < num_new:
+            raise RuntimeError(
+                "the target forward did not return hidden states for all verified tokens; block-diffusion drafting "
+                "needs a target that honours `output_hidden_states` and a prompt that is not pre-cached."
+            )
+        target_hidden = torch.cat([hidden_states[i + 1][:, :num_new] for i in self.drafter.target_layer_ids], dim=-1)
+        positions = torch.arange(seen, seen + num_new, device=self.device).unsqueeze(0)
+        return target_hidden.to(self.device), positions
+
+    def _draft_logits(self, input_ids: torch.LongTensor, model_outputs: Any) -> torch.Tensor:
+        """One drafter forward over [new context ; last token, MASK x (b-1)]: logits of slots 1..b-1.
+
+        Returns full-vocabulary float logits; with a reduced draft vocabulary, ids outside it get -inf, so
+        the returned logits are exactly the distribution drafts are drawn from.
+        """
+        target_hidden, context_positions = self._new_context(input_ids, model_outputs)
+        block_ids = torch.full(
+            (1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=input_ids.device
+        )
+        block_ids[:, 0] = input_ids[0, -1]
+        start = input_ids.shape[1] - 1
+        block_positions = torch.arange(start, start + self.block_size, device=self.device).unsqueeze(0)
+        block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device)).to(self.device)
+        hidden = self.drafter(
+            block_embeds=block_embeds,
+            block_position_ids=block_positions,
+            target_hidden=target_hidden,
+            context_position_ids=context_positions,
+            cache=self.cache,
+        ).last_hidden_state[:, 1:]
+        self.stats.drafter_forwards += 1
+        logits = torch.nn.functional.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+        logits = logits.float()
+        if self.drafter.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
+        full[..., self.drafter.d2t.to(logits.device)] = logits
+        return full
+
+    def _select(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Apply the logits processors position by position and pick drafts from exactly those logits."""
+        if not self.logits_processor:
+            return self._pick(logits), logits
+        ids = input_ids
+        processed = torch.empty_like(logits)
+        for i in range(logits.shape[1]):
+            processed[:, i] = self.logits_processor(ids, logits[:, i])
+            ids = torch.cat([ids, self._pick(processed[:, i : i + 1])], dim=-1)
+        return ids[:, input_ids.shape[1] :], processed
+
+    def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
+        """(1, k, V) logits -> (1, k) draft ids: samples from softmax(logits) at T>0, argmax otherwise."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits[0], dim=-1)
+        return torch.multinomial(probs, num_samples=1).transpose(0, 1)
+
+    def _cut_before_stop(
+        self, input_ids: torch.LongTensor, drafts: torch.LongTensor, logits: torch.Tensor
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Drop drafts from the first one that would end generation (EOS or a stop string) onwards.
+
+        The target then commits that token itself as the round's bonus token, the last one committed, so
+        generation stops exactly where plain `generate` stops, on every Transformers 5.x loop. This keeps
+        sampling exact: whether a position carries a draft depends only on tokens before it.
+        """
+        stops = torch.zeros_like(drafts, dtype=torch.bool)
+        if self.eos_token_ids is not None:
+            stops |= torch.isin(drafts, self.eos_token_ids.to(drafts.device))
+        if self.stop_strings is not None:
+            extended = torch.cat([input_ids, drafts], dim=-1)
+            cur_len = input_ids.shape[1]
+            for i in range(drafts.shape[1]):
+                stops[:, i] |= self.stop_strings(extended[:, : cur_len + i + 1], None).to(drafts.device)
+        if not bool(stops.any()):
+            return drafts, logits
+        keep = int(stops[0].int().argmax())
+        return drafts[:, :keep], logits[:, :keep]
+
+
+_stock_get_candidate_generator = GenerationMixin._get_candidate_generator
+
+
+def _get_candidate_generator(
+    self: GenerationMixin,
+    generation_config: GenerationConfig,
+    input_ids: torch.LongTensor,
+    inputs_tensor: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    model_kwargs: dict[str, Any],
+    assistant_model: PreTrainedModel | None = None,
+    target_tokenizer: PreTrainedTokenizerBase | None = None,
+    assistant_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> CandidateGenerator:
+    if isinstance(assistant_model, BlockDiffusionDrafter):
+        return BlockDiffusionCandidateGenerator(
+            drafter=assistant_model,
+            target=self,
+            input_ids=input_ids,
+            generation_config=generation_config,
+            logits_processor=logits_processor,
+            target_tokenizer=target_tokenizer,
+        )
+    return _stock_get_candidate_generator(
+        self,
+        generation_config=generation_config,
+        input_ids=input_ids,
+        inputs_tensor=inputs_tensor,
+        logits_processor=logits_processor,
+        model_kwargs=model_kwargs,
+        assistant_model=assistant_model,
+        target_tokenizer=target_tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+    )
+
+
+def install_generate_routing() -> None:
+    """Route `generate(assistant_model=<BlockDiffusionDrafter>)` to our generator (idempotent)."""
+    GenerationMixin._get_candidate_generator = _get_candidate_generator

@@ -1,0 +1,100 @@
+"""Configuration of the block-diffusion (DFlash) drafter.
+
+On disk the config uses the z-lab DFlash layout unchanged (`model_type: "qwen3"`,
+`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
+`dflash_config: {mask_token_id, target_layer_ids}`), so checkpoints such as
+`z-lab/Qwen3-4B-DFlash-b16` load without `trust_remote_code` and ours load in z-lab's code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DFLASH_MODEL_TYPE = "qwen3"
+
+
+def build_target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
+    """DFlash's default choice of target layers feeding the drafter's context.
+
+    Spreads `num_context_layers` ids evenly over `[1, num_target_layers - 3]` (one layer: the middle one).
+    Id `i` is the output of target decoder layer `i`, i.e. Transformers' `hidden_states[i + 1]`.
+    """
+    if num_target_layers < 1 or num_context_layers < 1:
+        raise ValueError(
+            f"need at least one target layer and one context layer, got {num_target_layers} and {num_context_layers}"
+        )
+    if num_context_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(num_target_layers - 3, 1)
+    span = end - start
+    return [int(round(start + i * span / (num_context_layers - 1))) for i in range(num_context_layers)]
+
+
+class BlockDiffusionConfig(Qwen3Config):
+    r"""Configuration of a [`BlockDiffusionDrafter`].
+
+    The drafter is a stack of Qwen3-style decoder layers sized like its target (same hidden size), plus:
+
+    block_size (`int`): the block size it was trained with (and the default block size at inference).
+    num_target_layers (`int`): number of decoder layers of the target it was built for.
+    dflash_config (`dict`): `{"mask_token_id": int, "target_layer_ids": list[int]}` as in z-lab checkpoints.
+    draft_vocab_size (`int`, optional): size of a reduced draft vocabulary (the drafter then scores only
+        the `d2t` shortlist of target ids); `None` scores the target's full vocabulary.
+    """
+
+    model_type = "blockpilot_dflash"
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    dflash_config: dict | None = None
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        # `model_type` is a class attribute; the z-lab layout stores "qwen3" in the file.
+        kwargs.pop("model_type", None)
+        super().__post_init__(**kwargs)
+        self.dflash_config = dict(self.dflash_config or {})
+        if "target_layer_ids" not in self.dflash_config and self.num_target_layers is not None:
+            # z-lab's default when a checkpoint does not list its layers.
+            self.dflash_config["target_layer_ids"] = build_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one anchor slot plus drafts), got {self.block_size}")
+
+    @property
+    def mask_token_id(self) -> int | None:
+        """Target token id used to fill the block's draft slots."""
+        return self.dflash_config.get("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """Target decoder layers whose outputs form the drafter's context (id i = `hidden_states[i + 1]`)."""
+        ids = self.dflash_config.get("target_layer_ids")
+        if not ids:
+            raise ValueError("the drafter config lists no `dflash_config.target_layer_ids`")
+        return list(ids)
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> tuple[dict, dict]:
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if DFLASH_ARCHITECTURE in (config_dict.get("architectures") or []):
+            config_dict["model_type"] = cls.model_type
+        elif config_dict.get("model_type") not in (cls.model_type, None):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is not a DFlash drafter checkpoint: its config has "
+                f"model_type={config_dict.get('model_type')!r} and architectures={config_dict.get('architectures')}, "
+                f"expected architectures=['{DFLASH_ARCHITECTURE}']. Pass the drafter's repo id or directory, "
+                "not the target's."
+            )
+        return config_dict, kwargs
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output["model_type"] = DFLASH_MODEL_TYPE
+        output["architectures"] = [DFLASH_ARCHITECTURE]
+        output.pop("auto_map", None)
+        return output

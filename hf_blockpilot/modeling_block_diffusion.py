@@ -1,0 +1,345 @@
+"""The block-diffusion (DFlash) drafter.
+
+One forward drafts a whole block: slot 0 holds the last accepted token, slots 1..b-1 a mask token. Every
+draft layer attends, without a causal mask, over `[context ; block]`, where the context is the target's
+hidden states at `target_layer_ids`, concatenated, projected by `fc` and normed by `hidden_norm`, and fed
+as extra keys/values to every layer. RoPE runs at absolute positions. The drafter owns no embedding and no
+LM head: it borrows the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on `x` of shape (batch, heads, seq, head_dim) with cos/sin of shape (batch, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class DraftContextCache:
+    """Per-layer keys/values of the target context the drafter has already seen.
+
+    Only context K/V is kept (each verified token's K/V is computed once); the block's own K/V is
+    recomputed every draft and never stored.
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def get_seq_length(self) -> int:
+        return self.keys[0].shape[-2] if self.keys else 0
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new context K/V for `layer_idx` and return the layer's full context K/V."""
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class BlockDiffusionAttention(nn.Module):
+    """Non-causal attention of block queries over [context ; block] keys/values (Qwen3 style, q/k norms)."""
+
+    def __init__(self, config: BlockDiffusionConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _keys_values(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq = x.shape[:2]
+        key = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(key, *rotary), value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        block_rotary: tuple[torch.Tensor, torch.Tensor],
+        context_rotary: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: DraftContextCache | None = None,
+    ) -> torch.Tensor:
+        batch, q_len = hidden_states.shape[:2]
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
+        query = apply_rotary(query.transpose(1, 2), *block_rotary)
+        key_ctx, value_ctx = self._keys_values(context, context_rotary)
+        if cache is not None:
+            key_ctx, value_ctx = cache.update(self.layer_idx, key_ctx, value_ctx)
+        key_blk, value_blk = self._keys_values(hidden_states, block_rotary)
+        key = torch.cat([key_ctx, key_blk], dim=-2)
+        value = torch.cat([value_ctx, value_blk], dim=-2)
+        if self.num_kv_heads != self.num_heads:
+            repeats = self.num_heads // self.num_kv_heads
+            key = key.repeat_interleave(repeats, dim=1)
+            value = value.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+
+class BlockDiffusionDecoderLayer(nn.Module):
+    def __init__(self, config: BlockDiffusionConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = BlockDiffusionAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attn_kwargs) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, **attn_kwargs)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class BlockDiffusionPreTrainedModel(PreTrainedModel):
+    config_class = BlockDiffusionConfig
+    base_model_prefix = ""
+    _no_split_modules = ["BlockDiffusionDecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, Qwen3RMSNorm):
+            module.weight.fill_(1.0)
+
+
+class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
+    """DFlash block-diffusion drafter, used as `target.generate(..., assistant_model=drafter)`.
+
+    Loads z-lab DFlash checkpoints unchanged (`from_pretrained("z-lab/Qwen3-4B-DFlash-b16")`) and saves in
+    the same layout. `block_size` (settable, any int >= 2) is the block drafted per round when no policy is
+    attached; `last_stats` holds the statistics of the latest `generate` call.
+    """
+
+    def __init__(self, config: BlockDiffusionConfig):
+        super().__init__(config)
+        num_context_layers = len(config.target_layer_ids)
+        self.layers = nn.ModuleList(
+            [BlockDiffusionDecoderLayer(config, idx) for idx in range(config.num_hidden_layers)]
+        )
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(num_context_layers * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.draft_vocab_size is not None:
+            # Draft-vocabulary index -> target token id (EAGLE-3's `d2t`, stored as absolute ids).
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
+        self._block_size = config.block_size
+        self.policy = None
+        self.last_stats = None
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------- properties
+    @property
+    def block_size(self) -> int:
+        """Block size drafted per round when no policy is attached (anchor slot included)."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise ValueError(f"block_size must be an int >= 2 (anchor slot + at least one draft), got {value!r}")
+        self._block_size = value
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    # ------------------------------------------------------------------------------------------- forward
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden_norm(fc(concat of target layers))`: the context fed to every draft layer."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_position_ids: torch.LongTensor,
+        target_hidden: torch.Tensor,
+        context_position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: DraftContextCache | None = None,
+    ) -> BaseModelOutput:
+        """Run the drafter over one or more blocks.
+
+        Args:
+            block_embeds: (batch, n, hidden) target embeddings of the block tokens (anchor + masks).
+            block_position_ids: (batch, n) absolute positions of the block tokens.
+            target_hidden: (batch, c, len(target_layer_ids) * hidden) concatenated target hidden states of
+                context tokens not yet in `cache`.
+            context_position_ids: (batch, c) absolute positions of those context tokens.
+            attention_mask: optional boolean (batch, 1, n, cached + c + n) mask, True = attend. `None`: every
+                block slot sees all context and the whole block (inference of a single block).
+            cache: context K/V of earlier tokens, extended in place.
+
+        Returns:
+            `BaseModelOutput` whose `last_hidden_state` is the normed output at every block slot.
+        """
+        context = self.project_context(target_hidden)
+        hidden_states = block_embeds.to(context.dtype)
+        block_rotary = self.rotary_emb(hidden_states, block_position_ids)
+        context_rotary = self.rotary_emb(hidden_states, context_position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                context,
+                block_rotary=block_rotary,
+                context_rotary=context_rotary,
+                attention_mask=attention_mask,
+                cache=cache,
+            )
+        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+
+    def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight (and bias) of the target LM head restricted to the draft vocabulary (all rows if full)."""
+        weight = lm_head.weight
+        bias = getattr(lm_head, "bias", None)
+        if self.d2t is None:
+            return weight, bias
+        d2t = self.d2t.to(weight.device)
+        return weight[d2t], None if bias is None else bias[d2t]
+
+    # ----------------------------------------------------------------------------------- compatibility
+    def check_compatible(self, target: PreTrainedModel) -> None:
+        """Raise a `ValueError` naming the mismatch if this drafter cannot serve `target`."""
+        text_config = target.config.get_text_config()
+        name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+        fix = (
+            "Use a drafter trained for this target (e.g. z-lab/Qwen3-4B-DFlash-b16 for Qwen/Qwen3-4B), or build one "
+            "with BlockDiffusionDrafter.from_target(target) and train it."
+        )
+        if self.config.hidden_size != text_config.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size={self.config.hidden_size} but target {name} has hidden_size="
+                f"{text_config.hidden_size}: the drafter was built for another target. {fix}"
+            )
+        num_layers = text_config.num_hidden_layers
+        if self.config.num_target_layers is not None and self.config.num_target_layers != num_layers:
+            raise ValueError(
+                f"drafter was built for a target with {self.config.num_target_layers} layers but {name} has "
+                f"{num_layers}. {fix}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"drafter target_layer_ids {self.target_layer_ids} contain {bad}, out of range for a target with "
+                f"{num_layers} layers (valid: 0..{num_layers - 1}). {fix}"
+            )
+        embeddings = target.get_input_embeddings()
+        num_embeddings = embeddings.weight.shape[0]
+        if self.config.vocab_size != num_embeddings:
+            raise ValueError(
+                f"drafter vocab_size={self.config.vocab_size} but target {name} has {num_embeddings} embedding rows: "
+                f"wrong vocabulary. {fix}"
+            )
+        mask_id = self.mask_token_id
+        if mask_id is None or not 0 <= mask_id < num_embeddings:
+            raise ValueError(
+                f"drafter mask_token_id={mask_id} is not a row of the target's embedding table (0..{num_embeddings - 1})."
+                " Set `dflash_config.mask_token_id` to an id the target never produces."
+            )
+        if self.d2t is not None and int(self.d2t.max()) >= num_embeddings:
+            raise ValueError(f"drafter d2t maps to ids >= {num_embeddings}, outside the target's vocabulary. {fix}")
+
+    # -------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        *,
+        num_context_layers: int = 5,
+        mask_token_id: int | None = None,
+        draft_vocab: list[int] | torch.Tensor | None = None,
+    ) -> BlockDiffusionDrafter:
+        """A freshly initialised drafter sized for a Llama/Qwen-style causal LM `target`.
+
+        Args:
+            target: the causal LM the drafter will serve (its embedding and LM head are borrowed).
+            num_hidden_layers: number of draft decoder layers.
+            block_size: training/default block size.
+            target_layer_ids: target layers feeding the context; default spreads `num_context_layers`
+                ids over the target like DFlash does.
+            mask_token_id: id filling the draft slots; default: the last row of the target's embedding table.
+            draft_vocab: target ids the drafter may propose (a reduced draft vocabulary); default: all.
+        """
+        text_config = target.config.get_text_config()
+        num_target_layers = text_config.num_hidden_layers
+        if target_layer_ids is None:
+            # Deduplicated: on very shallow targets DFlash's spread repeats ids.
+            spread = build_target_layer_ids(num_target_layers, min(num_context_layers, num_target_layers))
+            target_layer_ids = sorted(set(spread))
+        num_embeddings = target.get_input_embeddings().weight.shape[0]
+        if mask_token_id is None:
+            mask_token_id = num_embeddings - 1
+        rope = getattr(text_config, "rope_parameters", None)
+        config = BlockDiffusionConfig(
+            vocab_size=num_embeddings,
+            hidden_size=text_config.hidden_size,
+            intermediate_size=text_config.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=text_config.num_attention_heads,
+            num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
+            head_dim=getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads,
+            hidden_act=getattr(text_config, "hidden_act", "silu"),
+            max_position_embeddings=text_config.max_position_embeddings,
+            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope) if rope else None,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+            draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
+            dtype=target.dtype,
+        )
+        drafter = cls(config)
+        if draft_vocab is not None:
+            drafter.d2t.copy_(torch.as_tensor(draft_vocab, dtype=torch.long))
+        drafter.check_compatible(target)
+        return drafter.to(device=target.device, dtype=target.dtype)

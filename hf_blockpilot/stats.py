@@ -1,0 +1,50 @@
+"""Per-request speculative decoding statistics (read them from `drafter.last_stats`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpeculationStats:
+    """What one `generate(..., assistant_model=drafter)` call did.
+
+    Attributes:
+        block_size: block size used for the request (1 = speculation off).
+        prompt_tokens: prompt length.
+        new_tokens: tokens committed after the prompt.
+        target_forwards: target forwards, prefill included.
+        drafter_forwards: drafter forwards (one per drafted block).
+        drafted_per_round: drafts proposed in each verify round.
+        accepted_per_round: drafts accepted in each verify round (the bonus token not counted).
+        policy_seconds: wall time spent choosing the block size.
+        policy_probs: the policy's probability per candidate block size, when a policy chose it.
+    """
+
+    block_size: int | None = None
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    drafted_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    policy_seconds: float = 0.0
+    policy_probs: dict[int, float] | None = None
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target forward, bonus included (plain decoding: 1.0)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verify round that carried drafts (accepted + bonus; DFlash's metric)."""
+        rounds = [a for a, d in zip(self.accepted_per_round, self.drafted_per_round) if d > 0]
+        return sum(a + 1 for a in rounds) / len(rounds) if rounds else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["tau"] = self.tau
+        out["acceptance_length"] = self.acceptance_length
+        return out

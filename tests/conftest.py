@@ -1,0 +1,79 @@
+"""Tiny random-weight targets and drafters built from configs (CPU, offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import hf_blockpilot  # noqa: F401  (installs the generate() routing)
+from hf_blockpilot import BlockDiffusionDrafter
+
+# Tiny models: one thread is faster and keeps tests stable next to other work on 2 cores.
+torch.set_num_threads(1)
+
+
+def make_target(family: str = "llama", vocab_size: int = 97, hidden_size: int = 64, layers: int = 4, seed: int = 0):
+    """A tiny random causal LM of the given family."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0, **kwargs) -> BlockDiffusionDrafter:
+    """A random drafter for `target`; `scale` > 1 sharpens its (random) draft distribution."""
+    torch.manual_seed(seed)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=block_size, **kwargs).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            drafter.norm.weight.mul_(scale)
+    return drafter
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def family(request) -> str:
+    return request.param
+
+
+class ScriptedDrafter(BlockDiffusionDrafter):
+    """A drafter rigged to be *often right*: it runs the real drafter forward (cache, context, RoPE), then
+    replaces its output so that the target's LM head yields `script[position]` at each block slot, except
+    with probability `error_rate` per slot, where it proposes a wrong token. Needs vocab <= hidden size, so
+    that the LM head has an exact right inverse."""
+
+    def rig(self, target, script: torch.Tensor, error_rate: float, seed: int = 0) -> "ScriptedDrafter":
+        self.script = script.view(-1)
+        self.error_rate = error_rate
+        self.rng = torch.Generator().manual_seed(seed)
+        weight = target.get_output_embeddings().weight.detach().float()
+        assert weight.shape[0] <= weight.shape[1], "ScriptedDrafter needs vocab_size <= hidden_size"
+        self.head_inverse = torch.linalg.pinv(weight)  # (hidden, vocab)
+        return self
+
+    def forward(self, block_embeds, block_position_ids, **kwargs):
+        out = super().forward(block_embeds, block_position_ids, **kwargs)
+        vocab = self.head_inverse.shape[1]
+        positions = block_position_ids[0].clamp(max=self.script.numel() - 1)
+        tokens = self.script[positions].clone()
+        wrong = torch.rand(tokens.shape, generator=self.rng) < self.error_rate
+        tokens[wrong] = (tokens[wrong] + 1 + torch.randint(vocab - 1, tokens[wrong].shape, generator=self.rng)) % vocab
+        logits = 20.0 * torch.nn.functional.one_hot(tokens, vocab).float()
+        out.last_hidden_state = (logits @ self.head_inverse.T).unsqueeze(0).to(out.last_hidden_state.dtype)
+        return out

