@@ -62,8 +62,10 @@ class BlockDiffusionConfig(Qwen3Config):
             self.dflash_config["target_layer_ids"] = build_target_layer_ids(
                 self.num_target_layers, self.num_hidden_layers
             )
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (one anchor slot plus drafts), got {self.block_size}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
+            raise ValueError(
+                f"block_size must be an int >= 2 (one anchor slot plus drafts), got {self.block_size!r}"
+            )
 
     @property
     def mask_token_id(self) -> int | None:

@@ -245,3 +245,26 @@ def resolve_target(
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     return model, tokenizer
+
+
+#: Directory (inside the installed package) of the embedded default drafter for SmolLM2-135M-Instruct.
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-dflash"
+
+
+def resolve_drafter(
+    name_or_path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Load a `BlockDiffusionDrafter` by Hub id or local directory; `None` gives the embedded default."""
+    from .modeling_block_diffusion import BlockDiffusionDrafter
+
+    path = DEFAULT_DRAFTER_DIR if name_or_path is None else name_or_path
+    if name_or_path is None and not (DEFAULT_DRAFTER_DIR / "config.json").exists():
+        raise FileNotFoundError(
+            f"the embedded default drafter is missing from {DEFAULT_DRAFTER_DIR}; reinstall hf-blockpilot or pass "
+            "--drafter with a Hub id or a directory"
+        )
+    torch_dtype = _resolve_dtype(dtype)
+    drafter = BlockDiffusionDrafter.from_pretrained(str(path), **({} if torch_dtype == "auto" else {"dtype": torch_dtype}))
+    return drafter.to(device).eval()

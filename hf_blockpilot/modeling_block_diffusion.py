@@ -137,6 +137,10 @@ class BlockDiffusionPreTrainedModel(PreTrainedModel):
                 module.bias.zero_()
         elif isinstance(module, Qwen3RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, Qwen3RotaryEmbedding):
+            # `inv_freq` is a non-persistent buffer: `from_pretrained` materialises it empty and relies on
+            # `_init_weights` to recompute it (Transformers' base implementation does that).
+            super()._init_weights(module)
 
 
 class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):

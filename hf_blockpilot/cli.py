@@ -1,0 +1,172 @@
+"""`hf-blockpilot` command line (thin: each subcommand calls the library)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None, help="drafter Hub id or directory (default: the embedded drafter)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _load(args: argparse.Namespace):
+    from .defaults import resolve_drafter, resolve_target
+
+    target, tokenizer = resolve_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = resolve_drafter(args.drafter, dtype=args.dtype, device=args.device)
+    return target, tokenizer, drafter
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from .evaluation import chat_inputs, timed_generate
+
+    target, tokenizer, drafter = _load(args)
+    if args.block_size is not None:
+        drafter.block_size = args.block_size
+    input_ids = chat_inputs(tokenizer, args.prompt, target.device)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    if args.temperature > 0:
+        gen["temperature"] = args.temperature
+    if args.compare:  # warm both paths so neither pays first-call costs in the comparison
+        timed_generate(target, input_ids, drafter, max_new_tokens=8, do_sample=False)
+        timed_generate(target, input_ids, max_new_tokens=8, do_sample=False)
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out, seconds = timed_generate(target, input_ids, drafter, streamer=streamer, **gen)
+    if args.no_stream:
+        print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
+    stats = drafter.last_stats
+    result = {
+        "block_size": stats.block_size,
+        "tau": round(stats.tau, 3),
+        "new_tokens": stats.new_tokens,
+        "tokens_per_second": round(stats.new_tokens / seconds, 2),
+    }
+    if args.compare:
+        plain, plain_seconds = timed_generate(target, input_ids, **gen)
+        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
+        result["plain_tokens_per_second"] = round(plain_tps, 2)
+        result["speedup"] = round(result["tokens_per_second"] / plain_tps, 3)
+        if not gen["do_sample"]:
+            result["identical_to_plain"] = bool(torch.equal(out, plain))
+    print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result.get("identical_to_plain", True) else 1
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from .datasets import stdlib_training_prompts
+    from .defaults import resolve_target
+    from .training.drafter import DrafterTrainingConfig, train_drafter
+
+    target, tokenizer = resolve_target(args.target, dtype="float32", device=args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed) if args.num_prompts else None
+    config = DrafterTrainingConfig(
+        block_size=args.block_size,
+        max_steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        anchors_per_sequence=args.anchors,
+        sequences_per_step=args.sequences_per_step,
+        max_minutes=args.max_minutes,
+        seed=args.seed,
+    )
+    drafter = train_drafter(
+        target,
+        tokenizer,
+        args.output_dir,
+        prompts,
+        num_layers=args.num_layers,
+        draft_vocab_size=args.draft_vocab_size or None,
+        max_new_tokens=args.max_new_tokens,
+        config=config,
+    )
+    if args.save_to:
+        drafter.save_pretrained(args.save_to)
+    return 0
+
+
+def cmd_eval_drafter(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .datasets import load_prompts
+    from .evaluation import measure_tau
+
+    target, tokenizer, drafter = _load(args)
+    reports = []
+    for name in args.datasets:
+        report = measure_tau(
+            target, tokenizer, drafter, load_prompts(name, args.limit), args.block_sizes, args.max_new_tokens
+        )
+        reports.append(asdict(report))
+        cells = " | ".join(f"b={b}: τ={report.tau[b]:.2f}" for b in report.block_sizes)
+        print(f"{name} ({report.prompts} prompts): {cells} | mismatches: {sum(report.mismatches.values())}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(reports, f, indent=2)
+    return 0 if all(sum(r["mismatches"].values()) == 0 for r in reports) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-blockpilot", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="answer a prompt with block-diffusion speculative decoding")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--block-size", type=int, default=None, help="fixed block size (default: policy or drafter's)")
+    p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (resumable)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--output-dir", required=True, help="run directory: data, hidden-state cache, checkpoint")
+    p.add_argument("--num-prompts", type=int, default=4000, help="stdlib prompts answered by the target (0: reuse data)")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
+    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--sequences-per-step", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-to", default=None, help="also save the final drafter here")
+    p.set_defaults(func=cmd_train_drafter)
+
+    p = sub.add_parser("eval-drafter", help="τ by real greedy decoding on held-out prompt sets")
+    _add_model_args(p)
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--block-sizes", nargs="+", type=int, default=[4, 8, 16])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--output", default=None, help="write the reports as JSON")
+    p.set_defaults(func=cmd_eval_drafter)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Training recipes: DFlash drafter training (target-regenerated data, cached target hidden states)."""

@@ -1,0 +1,313 @@
+"""DFlash drafter training for any Transformers causal LM target.
+
+Per sequence, random anchor positions in the response; each block is `[anchor token, MASK x (b-1)]` at
+positions anchor..anchor+b-1, sees the target context strictly before its anchor and itself
+bidirectionally, never other blocks. Slot k predicts token anchor+k (slot 0 excluded), with cross-entropy
+weighted by exp(-(k-1)/gamma). The target's embedding and LM head are frozen and shared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..modeling_block_diffusion import BlockDiffusionDrafter
+from .data import TrainingSequence, load_hidden_states
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "trainer_state.pt"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class DrafterTrainingConfig:
+    """Hyper-parameters of the DFlash recipe (defaults sized for a 2-core CPU)."""
+
+    block_size: int = 16
+    anchors_per_sequence: int = 32
+    sequences_per_step: int = 4
+    max_steps: int = 2000
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None  # loss decay over slots; None: DFlash's 7 (b=16), 5 (b=10), 4 (b=8)
+    bf16: bool = True
+    seed: int = 0
+    save_every: int = 100
+    log_every: int = 10
+    max_minutes: float | None = None
+
+    def loss_gamma(self) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        return max(1.0, 4.0 + (self.block_size - 8) * 3.0 / 8.0)
+
+
+def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """Boolean (n*b, context_len + n*b) mask, True = attend, for blocks anchored at `anchors` (n,).
+
+    Block j sees context positions strictly before `anchors[j]` and its own b slots, never other blocks.
+    """
+    n = anchors.shape[0]
+    block_of_query = torch.arange(n * block_size, device=anchors.device) // block_size
+    context = torch.arange(context_len, device=anchors.device)[None, :] < anchors[block_of_query][:, None]
+    same_block = block_of_query[:, None] == block_of_query[None, :]
+    return torch.cat([context, same_block], dim=1)
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for slots k = 1..b-1."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def build_draft_vocab(sequences: Sequence[TrainingSequence], size: int, always: Sequence[int] = ()) -> list[int]:
+    """The `size` most frequent response tokens (plus `always`, e.g. EOS), sorted: a reduced draft vocabulary."""
+    counts = Counter(tok for seq in sequences for tok in seq.input_ids[seq.response_start :])
+    chosen = list(dict.fromkeys(list(always) + [tok for tok, _ in counts.most_common(size)]))[:size]
+    return sorted(chosen)
+
+
+@torch.no_grad()
+def init_drafter_from_target(drafter: BlockDiffusionDrafter, target: PreTrainedModel) -> None:
+    """Start the draft layers from the target's last layers and the final norm from the target's.
+
+    Draft layer i copies target layer `L - n + i` (attention and MLP projections, layer norms); the
+    Qwen3-style q/k norms start at one; `fc` gets a small init so the context starts as a gentle signal.
+    """
+    target_layers = target.get_decoder().layers
+    first = len(target_layers) - len(drafter.layers)
+    for i, layer in enumerate(drafter.layers):
+        source = target_layers[first + i]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer.self_attn, name).load_state_dict(getattr(source.self_attn, name).state_dict())
+        layer.mlp.load_state_dict(source.mlp.state_dict())
+        layer.input_layernorm.weight.copy_(source.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+    drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+    drafter.fc.weight.normal_(0.0, 0.1 / math.sqrt(drafter.fc.in_features))
+
+
+class DrafterTrainer:
+    """Trains a `BlockDiffusionDrafter` on cached target hidden states; resumable from `output_dir`."""
+
+    def __init__(
+        self,
+        drafter: BlockDiffusionDrafter,
+        target: PreTrainedModel,
+        sequences: Sequence[TrainingSequence],
+        hidden_cache_dir: str | Path,
+        output_dir: str | Path,
+        config: DrafterTrainingConfig,
+    ):
+        self.config = config
+        self.drafter = drafter.train()
+        self.sequences = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
+        if not self.sequences:
+            raise ValueError("no training sequence has a response of at least 2 tokens")
+        self.hidden_cache_dir = Path(hidden_cache_dir)
+        self.output_dir = Path(output_dir)
+        self.embed = target.get_input_embeddings()
+        weight, bias = drafter.draft_head(target.get_output_embeddings())
+        self.head_weight = weight.detach()
+        self.head_bias = None if bias is None else bias.detach()
+        vocab = self.embed.weight.shape[0]
+        self.target_to_draft = torch.full((vocab,), -100, dtype=torch.long)
+        if drafter.d2t is None:
+            self.target_to_draft = torch.arange(vocab)
+        else:
+            self.target_to_draft[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
+        self.weights = loss_weights(config.block_size, config.loss_gamma())
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step = 0
+        self.rng = random.Random(config.seed)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._resume()
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    # ------------------------------------------------------------------------------------------ one step
+    def sequence_loss(self, seq: TrainingSequence, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Weighted block-diffusion loss of one sequence, plus per-slot accuracy counts."""
+        b, cfg = self.config.block_size, self.config
+        ids = torch.tensor(seq.input_ids)
+        length = ids.numel()
+        candidates = range(seq.response_start - 1, length - 1)  # anchors whose slot 1 has a label
+        anchors = torch.tensor(sorted(self.rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates)))))
+        offsets = torch.arange(b)
+        positions = (anchors[:, None] + offsets[None, :]).reshape(1, -1)
+        block_ids = torch.full_like(positions, self.drafter.mask_token_id)
+        block_ids[0, ::b] = ids[anchors]
+        label_pos = anchors[:, None] + offsets[None, 1:]
+        labels = torch.where(label_pos < length, ids[label_pos.clamp(max=length - 1)], -100)
+        draft_labels = torch.where(labels >= 0, self.target_to_draft[labels.clamp(min=0)], -100)
+        valid = labels >= 0
+        mask = block_attention_mask(anchors, b, length)[None, None]
+        device = self.drafter.device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            out = self.drafter(
+                block_embeds=self.embed(block_ids.to(device)).detach(),
+                block_position_ids=positions.to(device),
+                target_hidden=hidden[None].to(device),
+                context_position_ids=torch.arange(length, device=device)[None],
+                attention_mask=mask.to(device),
+            ).last_hidden_state
+            slots = out.view(len(anchors), b, -1)[:, 1:]
+            logits = F.linear(slots, self.head_weight.to(slots.dtype), self.head_bias)
+        logits = logits.float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), draft_labels.reshape(-1).to(device), reduction="none")
+        weights = self.weights.to(device)[None, :] * valid.to(device)
+        loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
+        correct = (logits.argmax(-1).cpu() == draft_labels) & valid
+        return loss, {"correct": correct, "valid": valid}
+
+    def train(self) -> dict:
+        """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps."""
+        cfg = self.config
+        start = time.monotonic()
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="drafter training", unit="step")
+        window: list[dict] = []
+        summary: dict = {}
+        while self.step < cfg.max_steps:
+            batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
+            self.optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for seq in batch:
+                loss, acc = self.sequence_loss(seq, load_hidden_states(self.hidden_cache_dir, seq))
+                (loss / len(batch)).backward()
+                total += loss.item() / len(batch)
+                window.append(acc)
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            bar.update(1)
+            if self.step % cfg.log_every == 0:
+                summary = {"step": self.step, "loss": total, "lr": self.scheduler.get_last_lr()[0], **accuracy_summary(window)}
+                window = []
+                bar.set_postfix(loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}")
+                with (self.output_dir / LOG_FILE).open("a") as f:
+                    f.write(json.dumps(summary) + "\n")
+            if self.step % cfg.save_every == 0:
+                self.save()
+            if cfg.max_minutes is not None and time.monotonic() - start > 60 * cfg.max_minutes:
+                break
+        bar.close()
+        self.save()
+        return summary
+
+    # ----------------------------------------------------------------------------------- checkpointing
+    def save(self) -> None:
+        """Drafter in the z-lab format under `output_dir/checkpoint`, optimizer state beside it (atomic)."""
+        tmp = self.output_dir / f"{CHECKPOINT_DIR}.tmp"
+        self.drafter.save_pretrained(tmp)
+        torch.save(
+            {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": self.rng.getstate(),
+                "config": asdict(self.config),
+            },
+            tmp / STATE_FILE,
+        )
+        final = self.output_dir / CHECKPOINT_DIR
+        if final.exists():
+            old = self.output_dir / f"{CHECKPOINT_DIR}.old"
+            final.rename(old)
+            tmp.rename(final)
+            for path in old.iterdir():
+                path.unlink()
+            old.rmdir()
+        else:
+            tmp.rename(final)
+
+    def _resume(self) -> None:
+        ckpt = self.output_dir / CHECKPOINT_DIR
+        if not (ckpt / STATE_FILE).exists():
+            return
+        state = torch.load(ckpt / STATE_FILE, weights_only=False)
+        loaded = BlockDiffusionDrafter.from_pretrained(ckpt)
+        self.drafter.load_state_dict(loaded.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rng.setstate(state["rng"])
+        self.step = state["step"]
+
+
+def accuracy_summary(window: list[dict]) -> dict:
+    """Per-slot top-1 accuracy and the acceptance length a greedy verifier would give on these blocks."""
+    correct = torch.cat([w["correct"] for w in window])
+    valid = torch.cat([w["valid"] for w in window])
+    per_slot = (correct.sum(0) / valid.sum(0).clamp(min=1)).tolist()
+    accepted = correct.int().cumprod(dim=1).sum(dim=1).float()
+    return {"slot_accuracy": [round(a, 4) for a in per_slot], "tau_estimate": 1.0 + accepted.mean().item()}
+
+
+def train_drafter(
+    target: PreTrainedModel,
+    tokenizer,
+    output_dir: str | Path,
+    prompts: Sequence | None = None,
+    *,
+    num_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    draft_vocab_size: int | None = 8192,
+    generation_batch_size: int = 64,
+    max_new_tokens: int = 192,
+    config: DrafterTrainingConfig | None = None,
+) -> BlockDiffusionDrafter:
+    """The whole recipe, each stage resumable: target responses -> hidden-state cache -> training.
+
+    Writes `output_dir/data` (responses), `output_dir/hidden` (target hidden states) and
+    `output_dir/checkpoint` (the drafter in the z-lab format, plus optimizer state). Returns the drafter.
+    """
+    from .data import cache_hidden_states, generate_responses, read_sequences
+
+    config = config or DrafterTrainingConfig()
+    output_dir = Path(output_dir)
+    if prompts is not None:
+        generate_responses(target, tokenizer, prompts, output_dir / "data", generation_batch_size, max_new_tokens)
+    target = target.float()
+    sequences = read_sequences(output_dir / "data")
+    checkpoint = output_dir / CHECKPOINT_DIR
+    if (checkpoint / STATE_FILE).exists():
+        drafter = BlockDiffusionDrafter.from_pretrained(checkpoint)
+        drafter.check_compatible(target)
+    else:
+        eos = target.generation_config.eos_token_id
+        always = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        vocab = build_draft_vocab(sequences, draft_vocab_size, always) if draft_vocab_size else None
+        drafter = BlockDiffusionDrafter.from_target(
+            target,
+            num_hidden_layers=num_layers,
+            block_size=config.block_size,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            draft_vocab=vocab,
+        )
+        init_drafter_from_target(drafter, target)
+    hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
+    DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config).train()
+    return drafter.eval()

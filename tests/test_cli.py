@@ -1,0 +1,70 @@
+"""Smoke tests of the `hf-blockpilot` command line and the end-to-end drafter recipe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_target
+
+from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot.cli import main
+from hf_blockpilot.training.data import RESPONSES_FILE, read_sequences
+from hf_blockpilot.training.drafter import DrafterTrainingConfig, train_drafter
+
+
+def test_help_lists_subcommands():
+    out = subprocess.run([sys.executable, "-m", "hf_blockpilot", "--help"], capture_output=True, text=True, check=True)
+    for command in ("generate", "train-drafter", "eval-drafter"):
+        assert command in out.stdout
+
+
+@pytest.mark.slow
+def test_generate_command_on_the_real_default_target(tmp_path, capsys):
+    """`generate --compare` on SmolLM2 (converted from the GGUF package) with a drafter given by directory."""
+    pytest.importorskip("gguf", reason="the embedded default target needs the `gguf` package")
+    from hf_blockpilot.defaults import load_default_target
+
+    try:
+        target, _ = load_default_target()
+    except FileNotFoundError as err:
+        pytest.skip(f"embedded default target unavailable: {err}")
+    drafter_dir = tmp_path / "drafter"
+    BlockDiffusionDrafter.from_target(target, block_size=4).save_pretrained(drafter_dir)
+    code = main(["generate", "Say hi.", "--drafter", str(drafter_dir), "--max-new-tokens", "12",
+                 "--compare", "--no-stream", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    assert result["identical_to_plain"] is True
+    assert result["block_size"] == 4 and result["new_tokens"] >= 1 and result["speedup"] > 0
+
+
+def test_train_drafter_recipe_end_to_end(tmp_path):
+    """Responses on disk -> hidden-state cache -> training -> z-lab checkpoint, and a resume that continues."""
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    data = tmp_path / "run" / "data"
+    data.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    with (data / RESPONSES_FILE).open("w") as f:
+        for i in range(5):
+            prompt = torch.randint(3, 48, (6,), generator=g).tolist()
+            response = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, 6:].tolist()
+            f.write(json.dumps({"id": f"p{i}", "prompt_ids": prompt, "response_ids": response}) + "\n")
+    assert len(read_sequences(data)) == 5
+    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=4, sequences_per_step=2, max_steps=6,
+                                warmup_steps=2, save_every=3, log_every=3, bf16=False)
+    drafter = train_drafter(target, None, tmp_path / "run", num_layers=1, draft_vocab_size=32, config=cfg)
+    distinct = {t for seq in read_sequences(data) for t in seq.input_ids[seq.response_start:]}
+    assert drafter.d2t.tolist() == sorted(distinct)[:32]  # fewer distinct response tokens than asked for
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlashDraftModel"] and saved["block_size"] == 4
+    cfg.max_steps = 9
+    again = train_drafter(target, None, tmp_path / "run", config=cfg)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == [3, 6, 9]
+    prompt = torch.tensor([[5, 6, 7]])
+    expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=again), expected)

@@ -1,0 +1,216 @@
+"""Sampling with the block-diffusion assistant draws from exactly the target's (warped) distribution.
+
+The exact joint law of the first sampled tokens is computed by enumerating every continuation of a tiny-vocab
+target; `generate(..., assistant_model=drafter, do_sample=True)` samples are checked against it with a
+chi-square goodness-of-fit test. The same test must reject a deliberately broken generator whose drafts are
+not drawn from the logits it hands to the speculative-sampling step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from transformers.generation import GenerationMixin
+
+import hf_blockpilot.candidate_generator as candidate_generator_module
+from hf_blockpilot import BlockDiffusionDrafter
+
+VOCAB = 4
+NUM_TOKENS = 3  # joint law of the first 3 sampled tokens: VOCAB**3 cells
+# 4 new tokens: after the prefill token, one verify round drafts 2 tokens (positions 2 and 3 of the joint),
+# so the joint covers a chained accept/reject of two drafts; the 4th token is the round's bonus.
+MAX_NEW_TOKENS = 4
+NUM_SAMPLES = 5000
+# The broken generator is off by chi2 ~ 1000 per 1000 samples (critical value ~88): fewer samples keep the file fast.
+BROKEN_SAMPLES = 2000
+PROMPT = torch.tensor([[1, 2, 3, 1, 2]])
+Z_999 = 3.090232306167813  # standard normal quantile at 1 - 0.001
+
+
+def chi2_critical(df: int, z: float = Z_999) -> float:
+    """Wilson–Hilferty approximation of the chi-square quantile (here at p = 0.001)."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic and degrees of freedom, cells with expected count < 5 pooled together."""
+    n = counts.sum().item()
+    expected = (probs.double() * n).tolist()
+    observed = counts.double().tolist()
+    order = sorted(range(len(expected)), key=lambda i: expected[i])
+    pooled_e = pooled_o = 0.0
+    cells: list[tuple[float, float]] = []
+    for rank, i in enumerate(order):
+        # pool small cells; keep pooling while the pool is still too small
+        if expected[i] < 5 or (0 < pooled_e < 5):
+            pooled_e += expected[i]
+            pooled_o += observed[i]
+        else:
+            cells.append((observed[i], expected[i]))
+    if pooled_e > 0:
+        cells.append((pooled_o, pooled_e))
+    # observations in zero-probability cells are caught by the pooled cell (or make it infinite)
+    stat = sum((o - e) ** 2 / e if e > 0 else (math.inf if o > 0 else 0.0) for o, e in cells)
+    return stat, len(cells) - 1
+
+
+def _warp(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Temperature then top-k, as generate() orders its warpers; returns probabilities."""
+    logits = logits.double() / temperature
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return logits.softmax(-1)
+
+
+@torch.no_grad()
+def exact_joint(target, prompt: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """P(first NUM_TOKENS tokens = c) for every continuation c, index sum(c_i * VOCAB**(n-1-i))."""
+    conts = torch.tensor(list(itertools.product(range(VOCAB), repeat=NUM_TOKENS)))
+    seqs = torch.cat([prompt.expand(conts.shape[0], -1), conts], dim=1)
+    logits = target(seqs).logits[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + NUM_TOKENS]
+    probs = _warp(logits, temperature, top_k)  # (cells, NUM_TOKENS, VOCAB)
+    joint = probs.gather(-1, conts.unsqueeze(-1)).squeeze(-1).prod(-1)
+    assert torch.allclose(joint.sum(), torch.tensor(1.0, dtype=joint.dtype))
+    return joint
+
+
+def draw(target, drafter, n: int, temperature: float, top_k: int | None):
+    """`n` assisted samples: counts per cell, plus drafted/accepted totals over all runs."""
+    counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.long)
+    drafted = accepted = 0
+    weights = torch.tensor([VOCAB ** (NUM_TOKENS - 1 - i) for i in range(NUM_TOKENS)])
+    start = PROMPT.shape[1]
+    torch.manual_seed(1234)
+    for _ in range(n):
+        out = target.generate(
+            PROMPT,
+            assistant_model=drafter,
+            do_sample=True,
+            max_new_tokens=MAX_NEW_TOKENS,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out.shape[1] == start + MAX_NEW_TOKENS
+        counts[int((out[0, start : start + NUM_TOKENS] * weights).sum())] += 1
+        drafted += sum(drafter.last_stats.drafted_per_round)
+        accepted += sum(drafter.last_stats.accepted_per_round)
+    return counts, drafted, accepted
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = make_target("llama", vocab_size=VOCAB, hidden_size=32, layers=2, seed=0)
+    with torch.no_grad():  # a random init is nearly uniform: sharpen it so the law is far from uniform
+        model.model.norm.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture
+def spy_generators(monkeypatch):
+    """Collect the candidate generators generate() builds (behaviour unchanged)."""
+    built = []
+    routed = GenerationMixin._get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        generator = routed(self, *args, **kwargs)
+        built.append(generator)
+        return generator
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    return built
+
+
+def _check_drafter_differs(target, drafter):
+    """q must clearly differ from p, or a draft-distribution bug could hide."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        out = target(PROMPT, output_hidden_states=True)
+        ctx = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], -1)
+        block = torch.full((1, 3), drafter.mask_token_id)
+        block[0, 0] = int(torch.multinomial(out.logits[0, -1].softmax(-1), 1, generator=gen))
+        hidden = drafter(
+            block_embeds=target.get_input_embeddings()(block),
+            block_position_ids=torch.arange(5, 8)[None],
+            target_hidden=ctx,
+            context_position_ids=torch.arange(5)[None],
+        ).last_hidden_state
+        q = target.lm_head(hidden)[0, 1].softmax(-1)
+    assert q.max() > 0.4, f"drafter is nearly uniform ({q}): sharpen it"
+
+
+CONFIGS = {
+    # T=1, no top-k/top-p: no logits processor at all, drafts drawn from raw drafter logits
+    "t1_no_processors": dict(temperature=1.0, top_k=None),
+    # temperature + top-k: drafts drawn position by position from processed logits
+    "t07_topk3": dict(temperature=0.7, top_k=3),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_sampling_matches_exact_distribution(target, spy_generators, config):
+    kwargs = CONFIGS[config]
+    drafter = make_drafter(target, seed=1, block_size=4, scale=6.0)
+    _check_drafter_differs(target, drafter)
+    counts, drafted, accepted = draw(target, drafter, NUM_SAMPLES, **kwargs)
+
+    generator = spy_generators[-1]
+    assert isinstance(generator, candidate_generator_module.BlockDiffusionCandidateGenerator)
+    if kwargs["top_k"] is None:
+        assert len(generator.logits_processor) == 0, generator.logits_processor
+    else:
+        assert len(generator.logits_processor) >= 2, generator.logits_processor
+
+    assert accepted > 0.1 * NUM_SAMPLES, "drafts were (almost) never accepted: the test would be vacuous"
+    assert accepted < drafted, "drafts were never rejected: the residual resampling is not exercised"
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, **kwargs))
+    assert df >= 10
+    assert stat < chi2_critical(df), f"{config}: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_sampling_exact_with_reduced_draft_vocab(target):
+    torch.manual_seed(2)
+    drafter = BlockDiffusionDrafter.from_target(target, block_size=3, draft_vocab=[0, 2, 3]).eval()
+    with torch.no_grad():
+        drafter.norm.weight.mul_(6.0)
+    counts, drafted, accepted = draw(target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None)
+    assert accepted > 0.1 * NUM_SAMPLES and accepted < drafted
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+class ArgmaxDraftsGenerator(candidate_generator_module.BlockDiffusionCandidateGenerator):
+    """BROKEN on purpose: drafts are the argmax although sampling, so they are not drawn from the returned logits."""
+
+    def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
+        return logits.argmax(dim=-1)
+
+
+def test_chi_square_rejects_broken_generator(target, monkeypatch, spy_generators):
+    monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", ArgmaxDraftsGenerator)
+    kwargs = CONFIGS["t1_no_processors"]
+    drafter = make_drafter(target, seed=1, block_size=4, scale=6.0)
+    counts, drafted, accepted = draw(target, drafter, BROKEN_SAMPLES, **kwargs)
+    assert isinstance(spy_generators[-1], ArgmaxDraftsGenerator)  # the broken generator really ran
+    assert accepted > 0
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, **kwargs))
+    assert stat > chi2_critical(df), f"broken generator passed: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_chi_square_helpers():
+    # Wilson–Hilferty vs tabulated chi-square 0.999 quantiles
+    for df, table in [(10, 29.588), (30, 59.703), (60, 99.607)]:
+        assert abs(chi2_critical(df) - table) / table < 0.01
+    probs = torch.tensor([0.5, 0.3, 0.1995, 0.0005])
+    stat, df = chi_square(torch.tensor([500, 300, 200, 0]), probs)
+    assert df == 2 and stat < 0.01  # the tiny cell is pooled with the smallest big one
+    stat, _ = chi_square(torch.tensor([600, 200, 200, 0]), probs)
+    assert stat > chi2_critical(2)
