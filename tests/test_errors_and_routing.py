@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_drafter, make_target
+from transformers import LlamaForCausalLM
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
@@ -156,8 +157,6 @@ def built_generators(monkeypatch):
 
 def test_stock_assistant_goes_through_stock_transformers(target, built_generators):
     assistant = make_target("qwen3", vocab_size=VOCAB, hidden_size=32, layers=1, seed=5)
-    from transformers import LlamaForCausalLM
-
     llama_assistant = make_target("llama", vocab_size=VOCAB, hidden_size=32, layers=1, seed=6)
     assert isinstance(llama_assistant, LlamaForCausalLM)
     prompt = _prompt()

@@ -1,0 +1,216 @@
+"""generate() features keep working, token for token, with the block-diffusion assistant.
+
+A ScriptedDrafter (often right) makes whole blocks get accepted, so EOS, stop strings and length limits land
+inside accepted blocks; the output must still equal plain greedy `generate` with the same arguments.
+"""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from conftest import ScriptedDrafter, make_drafter, make_target
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.generation.streamers import BaseStreamer
+
+import hf_blockpilot.candidate_generator as candidate_generator_module
+
+VOCAB, HIDDEN = 48, 64  # vocab <= hidden lets ScriptedDrafter invert the LM head exactly
+BLOCK = 6
+PROMPT_LEN = 7
+
+
+@pytest.fixture
+def target(family):
+    return make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=11)
+
+
+@pytest.fixture
+def prompt():
+    return torch.randint(3, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture
+def cuts(monkeypatch):
+    """Record (drafts before, drafts after) of every `_cut_before_stop` call."""
+    calls = []
+    original = candidate_generator_module.BlockDiffusionCandidateGenerator._cut_before_stop
+
+    def spy(self, input_ids, drafts, logits):
+        kept, kept_logits = original(self, input_ids, drafts, logits)
+        calls.append((drafts[0].clone(), kept[0].clone()))
+        return kept, kept_logits
+
+    monkeypatch.setattr(candidate_generator_module.BlockDiffusionCandidateGenerator, "_cut_before_stop", spy)
+    return calls
+
+
+def _gen(target, prompt, max_new_tokens=30, eos=None, **kwargs):
+    return target.generate(
+        prompt, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0, **kwargs
+    )
+
+
+def scripted(target, script, error_rate=0.0, block_size=BLOCK, seed=0):
+    torch.manual_seed(seed)
+    drafter = ScriptedDrafter.from_target(target, block_size=block_size).eval()
+    return drafter.rig(target, script, error_rate=error_rate, seed=seed)
+
+
+def _first_index(cont: list[int], token: int) -> int:
+    return cont.index(token)
+
+
+def _pick_eos(cont: list[int], lo: int, hi: int) -> int:
+    """A token whose first occurrence in `cont` lies in [lo, hi)."""
+    for i in range(lo, hi):
+        if _first_index(cont, cont[i]) == i:
+            return cont[i]
+    raise AssertionError(f"no token first occurs in [{lo}, {hi}) of {cont}: pick other seeds")
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.ended = 0
+
+    def put(self, value):
+        assert not self.ended, "put() after end()"
+        self.chunks.append(value.detach().clone().reshape(-1))
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_receives_exactly_the_continuation(target, prompt):
+    plain_streamer = Collect()
+    expected = _gen(target, prompt, streamer=plain_streamer)
+    drafter = scripted(target, expected, error_rate=0.1)
+    streamer = Collect()
+    out = _gen(target, prompt, assistant_model=drafter, streamer=streamer)
+    assert torch.equal(out, expected)
+    assert streamer.ended == 1
+    assert torch.equal(streamer.chunks[0], prompt[0])  # the prompt first, as plain generate does
+    assert torch.equal(torch.cat(streamer.chunks[1:]), out[0, PROMPT_LEN:])
+    assert torch.equal(torch.cat(streamer.chunks), torch.cat(plain_streamer.chunks))
+    assert max(c.numel() for c in streamer.chunks[1:]) > 1, "blocks were not streamed as blocks"
+    assert len(streamer.chunks) - 1 == drafter.last_stats.target_forwards  # one put per verify round
+
+
+def test_max_new_tokens_exact(target, prompt):
+    script = _gen(target, prompt, max_new_tokens=40)
+    drafter = scripted(target, script)
+    for max_new in (1, 2, 3, 5, 6, 7, 8, 11, 12, 13, 17, 25):
+        out = _gen(target, prompt, max_new_tokens=max_new, assistant_model=drafter)
+        assert out.shape[1] == PROMPT_LEN + max_new, max_new
+        assert torch.equal(out, script[:, : PROMPT_LEN + max_new]), max_new
+        assert drafter.last_stats.new_tokens == max_new
+    assert drafter.last_stats.tau > 3  # whole blocks accepted in the long runs
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_eos_inside_accepted_block(target, prompt, cuts, as_list):
+    free = _gen(target, prompt, max_new_tokens=40)
+    cont = free[0, PROMPT_LEN:].tolist()
+    first = _pick_eos(cont, 9, 20)
+    if as_list:
+        later = _pick_eos(cont, _first_index(cont, first) + 1, 40)
+        eos = [later, first]  # stops at whichever comes first in the output: `first`
+    else:
+        eos = first
+    expected = _gen(target, prompt, max_new_tokens=40, eos=eos)
+    stop_at = _first_index(cont, first)
+    assert expected.shape[1] == PROMPT_LEN + stop_at + 1 and int(expected[0, -1]) == first
+
+    drafter = scripted(target, free)  # drafts run past the EOS: it is drafted inside a block
+    out = _gen(target, prompt, max_new_tokens=40, eos=eos, assistant_model=drafter)
+    assert torch.equal(out, expected)
+    # EOS was drafted after at least one other draft of its block, and the drafts were cut right before it
+    eos_ids = torch.tensor(eos if as_list else [eos])
+    cut_at_eos = [
+        (before, after)
+        for before, after in cuts
+        if torch.isin(before, eos_ids).any() and after.numel() == int(torch.isin(before, eos_ids).int().argmax())
+    ]
+    assert cut_at_eos and any(after.numel() > 0 for _, after in cut_at_eos), cuts
+    assert drafter.last_stats.new_tokens == stop_at + 1
+    assert drafter.last_stats.tau > 2
+
+
+def test_eos_with_imperfect_drafter_and_random_drafter(target, prompt):
+    free = _gen(target, prompt, max_new_tokens=40)
+    cont = free[0, PROMPT_LEN:].tolist()
+    eos = _pick_eos(cont, 5, 25)
+    expected = _gen(target, prompt, max_new_tokens=40, eos=eos)
+    for drafter in (scripted(target, free, error_rate=0.3, seed=1), make_drafter(target, block_size=BLOCK)):
+        assert torch.equal(_gen(target, prompt, max_new_tokens=40, eos=eos, assistant_model=drafter), expected)
+
+
+def test_min_new_tokens(target, prompt):
+    free = _gen(target, prompt, max_new_tokens=40)
+    cont = free[0, PROMPT_LEN:].tolist()
+    eos = cont[1]  # plain greedy would stop after 2 tokens
+    min_new = 12
+    early = _gen(target, prompt, max_new_tokens=40, eos=eos)
+    assert early.shape[1] <= PROMPT_LEN + 2
+    expected = _gen(target, prompt, max_new_tokens=40, eos=eos, min_new_tokens=min_new)
+    assert expected.shape[1] > PROMPT_LEN + min_new  # min_new_tokens did change the output
+    assert not (expected[0, PROMPT_LEN : PROMPT_LEN + min_new] == eos).any()
+
+    # script = the output with min_new_tokens (whole blocks right), or the early-stopping one (drafts EOS too early)
+    for script in (expected, early):
+        drafter = scripted(target, script)
+        out = _gen(target, prompt, max_new_tokens=40, eos=eos, min_new_tokens=min_new, assistant_model=drafter)
+        assert torch.equal(out, expected)
+    drafter = scripted(target, expected)
+    _gen(target, prompt, max_new_tokens=40, eos=eos, min_new_tokens=min_new, assistant_model=drafter)
+    assert drafter.last_stats.tau > 2
+
+
+# ------------------------------------------------------------------------------------------- stop strings
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """An offline tokenizer over the tiny vocab: id 0 = <pad>, ids 1..47 = single characters."""
+    chars = (string.ascii_lowercase + string.ascii_uppercase)[: VOCAB - 1]
+    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
+    assert len(tokenizer) == VOCAB
+    assert tokenizer("abcA", add_special_tokens=False)["input_ids"] == [1, 2, 3, 27]
+    assert tokenizer.decode([1, 2, 3, 27]) == "abcA"
+    return tokenizer
+
+
+def test_stop_strings_mid_block(target, prompt, cuts):
+    tokenizer = char_tokenizer()
+    free = _gen(target, prompt, max_new_tokens=40)
+    cont = free[0, PROMPT_LEN:].tolist()
+    drafter = scripted(target, free)
+    cut_mid_block = 0
+    tried = 0
+    for start in range(8, 30, 3):
+        piece = cont[start : start + 3]
+        if 0 in piece:
+            continue
+        stop = tokenizer.decode(piece)
+        expected = _gen(target, prompt, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer)
+        text = tokenizer.decode(expected[0, PROMPT_LEN:])
+        assert expected.shape[1] < free.shape[1] and text.endswith(stop), (stop, text)
+        assert torch.equal(expected, free[:, : expected.shape[1]])
+        cuts.clear()
+        out = _gen(target, prompt, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer, assistant_model=drafter)
+        assert torch.equal(out, expected), stop
+        tried += 1
+        # the drafts ran past the stop string and were cut right before its last character, after other drafts
+        cut_mid_block += any(0 < after.numel() < before.numel() for before, after in cuts)
+    assert tried >= 4
+    assert cut_mid_block >= 2, "the stop string never landed inside a drafted block"
+
+
+def test_stop_strings_need_tokenizer(target, prompt):
+    drafter = make_drafter(target, block_size=BLOCK)
+    with pytest.raises(ValueError, match="tokenizer"):
+        _gen(target, prompt, stop_strings=["ab"], assistant_model=drafter)
