@@ -205,6 +205,16 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
 
 _stock_get_candidate_generator = GenerationMixin._get_candidate_generator
+_stock_validate_generation_mode = GenerationMixin._validate_generation_mode
+
+
+def _validate_generation_mode(self: GenerationMixin, generation_mode: Any, generation_config: Any, kwargs: dict) -> None:
+    # Our compatibility check runs first, so a wrong drafter is named as such (stock Transformers would
+    # otherwise talk about tokenizers when the vocabularies differ).
+    drafter = kwargs.get("assistant_model")
+    if isinstance(drafter, BlockDiffusionDrafter):
+        drafter.check_compatible(self)
+    _stock_validate_generation_mode(self, generation_mode, generation_config, kwargs)
 
 
 def _get_candidate_generator(
@@ -243,3 +253,4 @@ def _get_candidate_generator(
 def install_generate_routing() -> None:
     """Route `generate(assistant_model=<BlockDiffusionDrafter>)` to our generator (idempotent)."""
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._validate_generation_mode = _validate_generation_mode

@@ -99,4 +99,8 @@ class BlockDiffusionConfig(Qwen3Config):
         output["model_type"] = DFLASH_MODEL_TYPE
         output["architectures"] = [DFLASH_ARCHITECTURE]
         output.pop("auto_map", None)
+        # Readers on Transformers 4.x (z-lab's code, older vLLM/SGLang) take RoPE's base from `rope_theta`.
+        rope = output.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            output["rope_theta"] = rope["rope_theta"]
         return output

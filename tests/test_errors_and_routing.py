@@ -88,11 +88,6 @@ def test_vocab_size_mismatch(target):
         _greedy(target, _prompt(), assistant_model=drafter)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Transformers' _validate_generation_mode compares assistant vocab sizes before routing and asks for "
-    "tokenizers (universal assisted decoding), which cannot serve a block-diffusion drafter",
-)
 def test_vocab_size_mismatch_message_from_generate(target):
     drafter = _drafter(vocab_size=48, dflash_config={"mask_token_id": 47, "target_layer_ids": [1, 2]})
     with pytest.raises(ValueError, match=r"vocab_size=48"):

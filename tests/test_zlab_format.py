@@ -290,6 +290,7 @@ def test_save_pretrained_writes_zlab_format_and_round_trips(tmp_path, target):
     assert config["block_size"] == 4
     assert config["num_target_layers"] == TARGET_LAYERS
     assert config["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]}
+    assert config["rope_theta"] == zlab_config()["rope_theta"]  # what Transformers 4.x readers take RoPE's base from
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "num_hidden_layers", "rms_norm_eps", "vocab_size"):
         assert config[key] == zlab_config()[key], key

@@ -118,21 +118,45 @@ def cache_hidden_states(
     layer_ids: Sequence[int],
     cache_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
+    tokens_per_batch: int = 4096,
 ) -> Path:
     """Store the target's hidden states at `layer_ids` (concatenated) for every sequence, one file each.
 
     Id i is the output of target decoder layer i (`hidden_states[i + 1]`), as the drafter reads it at
-    inference. Existing files are kept, so the step resumes; the layer ids are part of the directory name.
+    inference. Sequences are batched by length (right padding: causal attention keeps real positions exact)
+    and the forward runs under `dtype` autocast. Existing files are kept, so the step resumes; the layer
+    ids are part of the directory name.
     """
     cache_dir = Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    for seq in tqdm(sequences, desc="target hidden states", unit="seq"):
-        path = cache_dir / f"{_safe_name(seq.id)}.safetensors"
-        if path.exists():
-            continue
-        out = target(torch.tensor([seq.input_ids], device=target.device), output_hidden_states=True)
-        hidden = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
-        save_file({"hidden": hidden.to(dtype).cpu().contiguous()}, str(path))
+    todo = sorted(
+        (s for s in sequences if not (cache_dir / f"{_safe_name(s.id)}.safetensors").exists()),
+        key=lambda s: len(s.input_ids),
+    )
+    bar = tqdm(total=len(todo), desc="target hidden states", unit="seq")
+    while todo:
+        width = len(todo[0].input_ids)
+        count = 1
+        while count < len(todo) and (count + 1) * len(todo[count].input_ids) <= tokens_per_batch:
+            count += 1
+        batch, todo = todo[:count], todo[count:]
+        width = len(batch[-1].input_ids)
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, seq in enumerate(batch):
+            input_ids[row, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
+            attention_mask[row, : len(seq.input_ids)] = 1
+        device = target.device
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = target(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True
+            )
+        hidden = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(dtype).cpu()
+        for row, seq in enumerate(batch):
+            path = cache_dir / f"{_safe_name(seq.id)}.safetensors"
+            save_file({"hidden": hidden[row, : len(seq.input_ids)].contiguous()}, str(path))
+        bar.update(len(batch))
+    bar.close()
     return cache_dir
 
 
