@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel
 from .candidate_generator import BlockDiffusionCandidateGenerator, install_generate_routing
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .modeling_block_diffusion import BlockDiffusionDrafter
+from .policy import BlockPilotPolicy
 from .stats import SpeculationStats
 
 __version__ = "0.1.0.dev0"
@@ -26,6 +27,7 @@ __all__ = [
     "BlockDiffusionCandidateGenerator",
     "BlockDiffusionConfig",
     "BlockDiffusionDrafter",
+    "BlockPilotPolicy",
     "SpeculationStats",
     "build_target_layer_ids",
 ]

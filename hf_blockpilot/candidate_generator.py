@@ -54,6 +54,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 "call generate() once per prompt."
             )
         drafter.check_compatible(target)
+        if drafter.policy is not None:
+            drafter.policy.check_compatible(target, drafter)
         self.drafter = drafter
         self.device = drafter.device
         self.embed_tokens = target.get_input_embeddings()

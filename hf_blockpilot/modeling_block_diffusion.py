@@ -9,7 +9,9 @@ LM head: it borrows the target's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +169,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         else:
             self.d2t = None
         self._block_size = config.block_size
-        self.policy = None
+        self._policy = None
         self.last_stats = None
         self.post_init()
 
@@ -190,6 +192,30 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
     @property
     def target_layer_ids(self) -> list[int]:
         return self.config.target_layer_ids
+
+    def set_policy(self, policy: Any) -> None:
+        """Attach a BlockPilot policy (object, Hub id or directory) choosing the block size per request; `None` detaches."""
+        if isinstance(policy, (str, os.PathLike)):
+            from .policy import BlockPilotPolicy
+
+            policy = BlockPilotPolicy.from_pretrained(policy)
+        if policy is not None:
+            policy = policy.to(self.device).eval()
+        # Kept out of `_modules`: the policy is a separate checkpoint, never part of the drafter's state dict.
+        object.__setattr__(self, "_policy", policy)
+
+    @property
+    def policy(self) -> Any:
+        """The attached BlockPilot policy, or `None` (then `block_size` is used for every request)."""
+        return self._policy
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, policy: Any = None, **kwargs: Any) -> BlockDiffusionDrafter:
+        """`PreTrainedModel.from_pretrained`, plus `policy=` (Hub id, directory or object) to attach BlockPilot."""
+        drafter = super().from_pretrained(*args, **kwargs)
+        if policy is not None:
+            drafter.set_policy(policy)
+        return drafter
 
     # ------------------------------------------------------------------------------------------- forward
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""BlockPilot: a small policy that picks the block size once per request from the target's prefill outputs.
+
+The features come from the prefill forward `generate` runs anyway (no extra target forward): last-token and
+mean-pooled prompt hidden states of a few target layers, and the last-token logit entropy / top-2 margin.
+Checkpoints are tiny safetensors files on the Hub (`PyTorchModelHubMixin`), loaded strictly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from typing import Any
+
+import torch
+from huggingface_hub import PyTorchModelHubMixin
+from torch import nn
+
+NUM_LOGIT_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length
+
+
+def drafter_fingerprint(drafter: nn.Module) -> str:
+    """A short hash of the drafter's context projection, stable across fp32/bf16 loading."""
+    weight = drafter.fc.weight.detach().to("cpu", torch.bfloat16).float().contiguous()
+    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
+
+
+def prefill_features(outputs: Any, feature_layers: list[int]) -> torch.Tensor:
+    """(1, D) features of one request from the target's prefill outputs (`output_hidden_states=True`).
+
+    Per layer id i (`hidden_states[i + 1]`): the last prompt token's state and the prompt's mean state;
+    then entropy, top-1 probability and top-2 margin of the last-token distribution, and log prompt length.
+    Runs on the outputs' device; no host synchronisation.
+    """
+    parts = []
+    for i in feature_layers:
+        hidden = outputs.hidden_states[i + 1][0].float()
+        parts += [hidden[-1], hidden.mean(dim=0)]
+    logits = outputs.logits[0, -1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    probs = log_probs.exp()
+    top2 = probs.topk(2).values
+    length = torch.tensor(math.log(outputs.hidden_states[0].shape[1]), device=logits.device)
+    stats = torch.stack([-(probs * log_probs).sum(), top2[0], top2[0] - top2[1], length])
+    return torch.cat(parts + [stats]).unsqueeze(0)
+
+
+class BlockPilotPolicy(
+    nn.Module,
+    PyTorchModelHubMixin,
+    library_name="hf-blockpilot",
+    tags=["speculative-decoding", "dflash", "blockpilot"],
+):
+    """MLP over prefill features -> a distribution over candidate block sizes (1 = speculation off).
+
+    The config records the candidates, the feature spec, the widths, and the identity of the target and
+    drafter it was trained for, so attaching it elsewhere fails or warns clearly.
+    """
+
+    def __init__(
+        self,
+        candidates: list[int],
+        feature_layers: list[int],
+        target_hidden_size: int,
+        target_vocab_size: int,
+        target_num_layers: int,
+        width: int = 64,
+        dropout: float = 0.1,
+        objective: str = "throughput",
+        target_name: str = "",
+        drafter_name: str = "",
+        drafter_fingerprint: str = "",
+    ):
+        super().__init__()
+        if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
+            raise ValueError(f"candidates must be block sizes >= 1 (1 = speculation off), got {candidates}")
+        if objective not in ("throughput", "acceptance"):
+            raise ValueError(f"objective must be 'throughput' or 'acceptance', got {objective!r}")
+        self.candidates = list(candidates)
+        self.feature_layers = list(feature_layers)
+        self.target_hidden_size = target_hidden_size
+        self.target_vocab_size = target_vocab_size
+        self.target_num_layers = target_num_layers
+        self.objective = objective
+        self.target_name = target_name
+        self.drafter_name = drafter_name
+        self.drafter_fingerprint = drafter_fingerprint
+        feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_LOGIT_FEATURES
+        self.input_norm = nn.LayerNorm(feature_dim)
+        self.net = nn.Sequential(
+            nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over `candidates` for (batch, D) features."""
+        return self.net(self.input_norm(features.to(self.input_norm.weight.dtype)))
+
+    @torch.no_grad()
+    def choose_block_size(self, prefill_outputs: Any, input_ids: torch.Tensor | None = None) -> tuple[int, dict]:
+        """The block size for this request and the policy's probability for each candidate."""
+        features = prefill_features(prefill_outputs, self.feature_layers).to(self.input_norm.weight.device)
+        probs = torch.softmax(self(features)[0].float(), dim=-1).cpu()  # one small sync per request
+        chosen = self.candidates[int(probs.argmax())]
+        return chosen, {b: float(p) for b, p in zip(self.candidates, probs)}
+
+    def check_compatible(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
+        """Error if the features cannot come from `target`; warn if trained for another drafter."""
+        text_config = target.config.get_text_config()
+        problems = []
+        if text_config.hidden_size != self.target_hidden_size:
+            problems.append(f"hidden size {text_config.hidden_size} != {self.target_hidden_size}")
+        if text_config.num_hidden_layers != self.target_num_layers:
+            problems.append(f"{text_config.num_hidden_layers} layers != {self.target_num_layers}")
+        if target.get_input_embeddings().weight.shape[0] != self.target_vocab_size:
+            problems.append(f"vocab {target.get_input_embeddings().weight.shape[0]} != {self.target_vocab_size}")
+        if problems:
+            raise ValueError(
+                f"this BlockPilot policy was trained for target {self.target_name or '?'} and cannot read this "
+                f"target's prefill ({'; '.join(problems)}). Train one for it with `hf-blockpilot train-policy`, or "
+                "detach it with drafter.set_policy(None)."
+            )
+        if drafter is not None and self.drafter_fingerprint and drafter_fingerprint(drafter) != self.drafter_fingerprint:
+            warnings.warn(
+                f"this BlockPilot policy was trained for drafter {self.drafter_name or self.drafter_fingerprint}, not "
+                "the attached one: its block-size choices may be poor (output stays lossless).",
+                stacklevel=3,
+            )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, strict: bool = True, **kwargs: Any):
+        """Load from a Hub repo id or a directory; strict by default (missing or extra tensors are an error)."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, strict=strict, **kwargs)
+        except RuntimeError as err:
+            if "Missing key" in str(err) or "Unexpected key" in str(err) or "Error(s) in loading" in str(err):
+                raise ValueError(
+                    f"{pretrained_model_name_or_path} does not hold a BlockPilot policy matching its config: {err}"
+                ) from err
+            raise

@@ -1,0 +1,177 @@
+"""BlockPilot policy: Hub round trips, strict loading, attaching, per-request choice from the prefill."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from safetensors.torch import load_file, save_file
+
+from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy
+from hf_blockpilot.policy import drafter_fingerprint, prefill_features
+
+VOCAB, HIDDEN, LAYERS = 48, 64, 4
+
+
+@pytest.fixture
+def target():
+    return make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+
+
+def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0) -> BlockPilotPolicy:
+    torch.manual_seed(seed)
+    return BlockPilotPolicy(
+        candidates=list(candidates),
+        feature_layers=[1, 3],
+        target_hidden_size=HIDDEN,
+        target_vocab_size=VOCAB,
+        target_num_layers=LAYERS,
+        width=16,
+        target_name="tiny-qwen3",
+        drafter_name="tiny-drafter",
+        drafter_fingerprint=drafter_fingerprint(drafter) if drafter is not None else "",
+    ).eval()
+
+
+def rig_choice(policy: BlockPilotPolicy, index: int) -> BlockPilotPolicy:
+    """Make the policy always pick candidate `index` (zero weights, biased output)."""
+    with torch.no_grad():
+        last = policy.net[-1]
+        last.weight.zero_()
+        last.bias.zero_()
+        last.bias[index] = 5.0
+    return policy
+
+
+def _greedy(target, prompt, **kwargs):
+    return target.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def _prompt(seed=0, length=7):
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_round_trip_through_a_local_directory(tmp_path, target):
+    policy = make_policy(target)
+    policy.save_pretrained(tmp_path / "p")
+    config = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert config["candidates"] == [1, 3, 6] and config["feature_layers"] == [1, 3]
+    assert config["target_name"] == "tiny-qwen3" and config["objective"] == "throughput"
+    loaded = BlockPilotPolicy.from_pretrained(tmp_path / "p")
+    for (name, a), b in zip(policy.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    features = torch.randn(3, 2 * 2 * HIDDEN + 4)
+    torch.testing.assert_close(loaded(features), policy(features))
+
+
+def test_round_trip_through_the_offline_hub_cache(tmp_path, target):
+    make_policy(target).save_pretrained(tmp_path / "p")
+    snapshot = tmp_path / "hub" / "models--org--tiny-policy" / "snapshots" / ("a" * 40)
+    shutil.copytree(tmp_path / "p", snapshot)
+    (tmp_path / "hub" / "models--org--tiny-policy" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny-policy" / "refs" / "main").write_text("a" * 40)
+    code = (
+        "from hf_blockpilot import BlockPilotPolicy\n"
+        "p = BlockPilotPolicy.from_pretrained('org/tiny-policy')\n"
+        "print(p.candidates)\n"
+    )
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[1, 3, 6]"
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_strict_loading_rejects_missing_or_extra_tensors(tmp_path, target, change):
+    make_policy(target).save_pretrained(tmp_path / "p")
+    path = tmp_path / "p" / "model.safetensors"
+    tensors = load_file(str(path))
+    if change == "missing":
+        tensors.pop("input_norm.bias")
+    else:
+        tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="does not hold a BlockPilot policy"):
+        BlockPilotPolicy.from_pretrained(tmp_path / "p")
+
+
+def test_attach_by_directory_and_policy_picks_the_block_size(tmp_path, target):
+    drafter = make_drafter(target, block_size=4)
+    drafter.save_pretrained(tmp_path / "d")
+    policy = rig_choice(make_policy(target, drafter), index=2)  # always 6
+    policy.save_pretrained(tmp_path / "p")
+    loaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", policy=str(tmp_path / "p")).eval()
+    assert isinstance(loaded.policy, BlockPilotPolicy)
+    assert not any(k.startswith("policy") for k in loaded.state_dict()), "policy leaked into the drafter checkpoint"
+    prompt = _prompt()
+    assert torch.equal(_greedy(target, prompt, assistant_model=loaded), _greedy(target, prompt))
+    stats = loaded.last_stats
+    assert stats.block_size == 6 and max(stats.drafted_per_round) == 5
+    assert stats.policy_probs is not None and max(stats.policy_probs, key=stats.policy_probs.get) == 6
+    assert stats.policy_seconds > 0
+    loaded.set_policy(None)
+    _greedy(target, prompt, assistant_model=loaded)
+    assert loaded.last_stats.block_size == 4 and loaded.last_stats.policy_probs is None
+
+
+def test_block_size_one_turns_speculation_off(target):
+    drafter = make_drafter(target, block_size=4)
+    drafter.set_policy(rig_choice(make_policy(target, drafter), index=0))  # always 1
+    prompt = _prompt(1)
+    assert torch.equal(_greedy(target, prompt, assistant_model=drafter), _greedy(target, prompt))
+    assert drafter.last_stats.block_size == 1
+    assert drafter.last_stats.drafter_forwards == 0 and drafter.last_stats.tau == 1.0
+
+
+def test_choices_vary_with_the_prompt_and_need_no_extra_target_forward(target):
+    drafter = make_drafter(target, block_size=4)
+    policy = make_policy(target, drafter, seed=3)
+    with torch.no_grad():
+        policy.net[-1].weight.mul_(50.0)  # a random but decisive policy
+    drafter.set_policy(policy)
+    calls = []
+    hook = target.register_forward_hook(lambda *args: calls.append(1))
+    chosen = set()
+    for seed in range(12):
+        prompt = _prompt(seed, length=3 + seed)
+        calls.clear()
+        _greedy(target, prompt, assistant_model=drafter)
+        assert len(calls) == drafter.last_stats.target_forwards, "the policy must not add target forwards"
+        chosen.add(drafter.last_stats.block_size)
+    hook.remove()
+    assert len(chosen) > 1, f"policy chose {chosen} for every prompt"
+
+
+def test_features_come_from_the_prefill_outputs(target):
+    prompt = _prompt(2, length=9)
+    out = target(prompt, output_hidden_states=True)
+    features = prefill_features(out, [1, 3])
+    assert features.shape == (1, 2 * 2 * HIDDEN + 4)
+    torch.testing.assert_close(features[0, :HIDDEN], out.hidden_states[2][0, -1])
+    torch.testing.assert_close(features[0, HIDDEN : 2 * HIDDEN], out.hidden_states[2][0].mean(0))
+    probs = out.logits[0, -1].softmax(-1)
+    torch.testing.assert_close(features[0, -3], probs.max())
+
+
+def test_attaching_to_another_target_errors_and_another_drafter_warns(target):
+    drafter = make_drafter(target, block_size=4)
+    policy = make_policy(target, drafter)
+    other_target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=6, seed=0)
+    other_drafter = make_drafter(other_target, block_size=4, seed=1)
+    other_drafter.set_policy(policy)
+    with pytest.raises(ValueError, match="trained for target tiny-qwen3"):
+        _greedy(other_target, _prompt(), assistant_model=other_drafter)
+    second = make_drafter(target, block_size=4, seed=5)
+    second.set_policy(policy)
+    with pytest.warns(UserWarning, match="trained for drafter tiny-drafter"):
+        _greedy(target, _prompt(), assistant_model=second)
+
+
+def test_bad_candidates_are_rejected(target):
+    with pytest.raises(ValueError, match="candidates"):
+        make_policy(target, candidates=(0, 4))
