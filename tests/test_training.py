@@ -83,3 +83,17 @@ def _hidden(hidden_dir, seq):
     from hf_blockpilot.training.data import load_hidden_states
 
     return load_hidden_states(hidden_dir, seq)
+
+
+def test_init_from_target_reads_the_targets_own_past():
+    """With the first copied layer's input in the context, the drafter starts as that target layer."""
+    target = make_target("llama", vocab_size=48, hidden_size=64, layers=4, seed=0)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[0, 2])
+    init_drafter_from_target(drafter, target)
+    source = target.model.layers[3]
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, source.mlp.down_proj.weight)
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    hidden = torch.randn(1, 5, 2 * 64)
+    # the context is exactly the target layer's normed input: the layer-2 half of the features
+    torch.testing.assert_close(drafter.project_context(hidden), source.input_layernorm(hidden[..., 64:]))

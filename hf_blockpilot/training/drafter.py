@@ -83,10 +83,13 @@ def build_draft_vocab(sequences: Sequence[TrainingSequence], size: int, always: 
 
 @torch.no_grad()
 def init_drafter_from_target(drafter: BlockDiffusionDrafter, target: PreTrainedModel) -> None:
-    """Start the draft layers from the target's last layers and the final norm from the target's.
+    """Start the drafter as a copy of the target's last layers reading the target's own past.
 
-    Draft layer i copies target layer `L - n + i` (attention and MLP projections, layer norms); the
-    Qwen3-style q/k norms start at one; `fc` gets a small init so the context starts as a gentle signal.
+    Draft layer i copies target layer `L - n + i` (attention and MLP projections, layer norms; the Qwen3-style
+    q/k norms start at one) and the final norm is the target's, so the LM head sees familiar states. When the
+    context includes the input of the first copied layer (layer id `L - n - 1`), `fc` starts as the identity on
+    it and `hidden_norm` as that layer's input norm: the copied attention then starts out attending over the
+    very keys/values the target computes for past tokens. Otherwise `fc` gets a small random init.
     """
     target_layers = target.get_decoder().layers
     first = len(target_layers) - len(drafter.layers)
@@ -98,7 +101,14 @@ def init_drafter_from_target(drafter: BlockDiffusionDrafter, target: PreTrainedM
         layer.input_layernorm.weight.copy_(source.input_layernorm.weight)
         layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
     drafter.norm.weight.copy_(target.get_decoder().norm.weight)
-    drafter.fc.weight.normal_(0.0, 0.1 / math.sqrt(drafter.fc.in_features))
+    hidden = drafter.config.hidden_size
+    if first - 1 in drafter.target_layer_ids:
+        slot = drafter.target_layer_ids.index(first - 1)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, slot * hidden : (slot + 1) * hidden].copy_(torch.eye(hidden))
+        drafter.hidden_norm.weight.copy_(target_layers[first].input_layernorm.weight)
+    else:
+        drafter.fc.weight.normal_(0.0, 0.1 / math.sqrt(drafter.fc.in_features))
 
 
 class DrafterTrainer:
