@@ -1,0 +1,242 @@
+"""BlockPilot policy training: a measured cost model, cost-aware objectives, regret or cross-entropy loss."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from ..policy import BlockPilotPolicy
+from .oracle import OracleRecord
+
+
+@dataclass
+class CostModel:
+    """Latency (ms) of one verify round per block size: a target forward over b tokens + a drafter forward."""
+
+    target_ms: dict[int, float]
+    drafter_ms: dict[int, float]
+    device: str = "cpu"
+    context_tokens: int = 0
+
+    def round_ms(self, block_size: int) -> float:
+        return self.target_ms[block_size] + (self.drafter_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        raw = json.loads(Path(path).read_text())
+        raw["target_ms"] = {int(k): v for k, v in raw["target_ms"].items()}
+        raw["drafter_ms"] = {int(k): v for k, v in raw["drafter_ms"].items()}
+        return cls(**raw)
+
+
+def _median_ms(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times[1:])  # first call is warm-up
+
+
+@torch.inference_mode()
+def measure_cost_model(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    block_sizes: Sequence[int],
+    context_tokens: int = 256,
+    repeats: int = 5,
+) -> CostModel:
+    """Time target and drafter forwards for each block size over a `context_tokens`-long cached context."""
+    device = target.device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    context = torch.randint(0, vocab, (1, context_tokens), device=device)
+    prefix = DynamicCache()
+    out = target(context, past_key_values=prefix, output_hidden_states=True)
+    hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
+    head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
+    embed = target.get_input_embeddings()
+    target_ms, drafter_ms = {}, {}
+    for b in block_sizes:
+        block = torch.randint(0, vocab, (1, b), device=device)
+
+        def verify() -> None:
+            target(block, past_key_values=prefix, output_hidden_states=True)
+            prefix.crop(context_tokens)
+
+        target_ms[b] = _median_ms(verify, repeats, device)
+        if b > 1:
+            cache = DraftContextCache()
+            drafter(
+                block_embeds=embed(block[:, :0]),
+                block_position_ids=torch.zeros((1, 0), dtype=torch.long, device=device),
+                target_hidden=hidden,
+                context_position_ids=torch.arange(context_tokens, device=device)[None],
+                cache=cache,
+            )
+            positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
+
+            def draft() -> None:
+                h = drafter(
+                    block_embeds=embed(block),
+                    block_position_ids=positions,
+                    target_hidden=hidden[:, :0],
+                    context_position_ids=positions[:, :0],
+                    cache=cache,
+                ).last_hidden_state
+                F.linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
+
+            drafter_ms[b] = _median_ms(draft, repeats, device)
+    return CostModel(target_ms, drafter_ms, device=str(device), context_tokens=context_tokens)
+
+
+def objective_values(record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None) -> list[float]:
+    """Per candidate: τ(b) (`acceptance`) or modeled tokens per second τ(b) / round latency (`throughput`)."""
+    if objective == "acceptance":
+        return [record.tau[b] for b in candidates]
+    if cost is None:
+        raise ValueError("the `throughput` objective needs a cost model (hf-blockpilot collect measures one)")
+    return [1000.0 * record.tau[b] / cost.round_ms(b) for b in candidates]
+
+
+@dataclass
+class PolicyTrainingConfig:
+    loss: str = "regret"  # "regret" (expected regret) or "ce" (cross-entropy to the oracle b, smoothed)
+    objective: str = "throughput"
+    label_smoothing: float = 0.1
+    epochs: int = 300
+    learning_rate: float = 3e-3
+    weight_decay: float = 1e-2
+    validation_fraction: float = 0.25
+    patience: int = 40
+    seed: int = 0
+    width: int = 64
+    dropout: float = 0.1
+
+
+@dataclass
+class PolicyReport:
+    """Held-out metrics: accuracy vs the oracle b, regret, modeled speed against fixed b and the oracle."""
+
+    accuracy: float
+    regret: float
+    policy_value: float
+    best_fixed_b: int
+    best_fixed_value: float
+    oracle_value: float
+    chosen: dict[int, int] = field(default_factory=dict)
+    oracle_counts: dict[int, int] = field(default_factory=dict)
+    objective: str = "throughput"
+    validation_prompts: int = 0
+
+
+def split_by_prompt(records: Sequence[OracleRecord], fraction: float, seed: int) -> tuple[list, list]:
+    """Deterministic train/validation split of prompt records."""
+    order = sorted(records, key=lambda r: r.id)
+    random.Random(seed).shuffle(order)
+    cut = max(1, int(round(len(order) * fraction)))
+    return order[cut:], order[:cut]
+
+
+def evaluate_choices(values: torch.Tensor, chosen: torch.Tensor, candidates: Sequence[int], objective: str) -> PolicyReport:
+    """Report for choices `chosen` (indices) on prompts whose per-candidate objective is `values` (n, k)."""
+    oracle = values.argmax(dim=1)
+    best_fixed = int(values.mean(dim=0).argmax())
+    rows = torch.arange(values.shape[0])
+    return PolicyReport(
+        accuracy=float((chosen == oracle).float().mean()),
+        regret=float((values[rows, oracle] - values[rows, chosen]).mean()),
+        policy_value=float(values[rows, chosen].mean()),
+        best_fixed_b=candidates[best_fixed],
+        best_fixed_value=float(values[:, best_fixed].mean()),
+        oracle_value=float(values[rows, oracle].mean()),
+        chosen={b: int((chosen == i).sum()) for i, b in enumerate(candidates)},
+        oracle_counts={b: int((oracle == i).sum()) for i, b in enumerate(candidates)},
+        objective=objective,
+        validation_prompts=values.shape[0],
+    )
+
+
+def train_policy(
+    records: Sequence[OracleRecord],
+    candidates: Sequence[int],
+    feature_layers: Sequence[int],
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    config: PolicyTrainingConfig,
+    cost: CostModel | None = None,
+) -> tuple[BlockPilotPolicy, PolicyReport]:
+    """Fit a `BlockPilotPolicy` on oracle records; early stopping on held-out regret. Returns it + its report."""
+    from ..policy import drafter_fingerprint
+
+    torch.manual_seed(config.seed)
+    train, val = split_by_prompt(records, config.validation_fraction, config.seed)
+
+    def tensors(rows):
+        x = torch.tensor([r.features for r in rows], dtype=torch.float32)
+        v = torch.tensor([objective_values(r, candidates, config.objective, cost) for r in rows])
+        return x, v
+
+    x_train, v_train = tensors(train)
+    x_val, v_val = tensors(val)
+    text_config = target.config.get_text_config()
+    policy = BlockPilotPolicy(
+        candidates=list(candidates),
+        feature_layers=list(feature_layers),
+        target_hidden_size=text_config.hidden_size,
+        target_vocab_size=target.get_input_embeddings().weight.shape[0],
+        target_num_layers=text_config.num_hidden_layers,
+        width=config.width,
+        dropout=config.dropout,
+        objective=config.objective,
+        target_name=getattr(target.config, "_name_or_path", ""),
+        drafter_name=getattr(drafter.config, "_name_or_path", ""),
+        drafter_fingerprint=drafter_fingerprint(drafter),
+    )
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)
+    regret_train = (v_train.max(dim=1, keepdim=True).values - v_train) / v_train.max(dim=1, keepdim=True).values
+    best_state, best_regret, stale = None, float("inf"), 0
+    for _ in range(config.epochs):
+        policy.train()
+        logits = policy(x_train)
+        if config.loss == "regret":
+            loss = (logits.softmax(dim=1) * regret_train).sum(dim=1).mean()
+        elif config.loss == "ce":
+            loss = F.cross_entropy(logits, v_train.argmax(dim=1), label_smoothing=config.label_smoothing)
+        else:
+            raise ValueError(f"unknown loss {config.loss!r}; use 'regret' or 'ce'")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        policy.eval()
+        with torch.no_grad():
+            regret = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective).regret
+        if regret < best_regret - 1e-9:
+            best_regret, stale = regret, 0
+            best_state = {k: t.clone() for k, t in policy.state_dict().items()}
+        else:
+            stale += 1
+            if stale >= config.patience:
+                break
+    policy.load_state_dict(best_state)
+    policy.eval()
+    with torch.no_grad():
+        report = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective)
+    return policy, report

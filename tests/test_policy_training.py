@@ -1,0 +1,76 @@
+"""Policy training on oracle records: objectives, losses, early stopping, the held-out report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+from hf_blockpilot.training.oracle import OracleRecord
+from hf_blockpilot.training.policy_training import (
+    CostModel,
+    PolicyTrainingConfig,
+    evaluate_choices,
+    measure_cost_model,
+    objective_values,
+    train_policy,
+)
+
+HIDDEN, LAYERS = 64, 4
+CANDIDATES = [1, 4, 8]
+
+
+def _records(n: int, seed: int = 0) -> list[OracleRecord]:
+    """Synthetic prompts: a direction in feature space decides whether long blocks pay (τ grows with b) or not."""
+    g = torch.Generator().manual_seed(seed)
+    dim = 2 * 1 * HIDDEN + 4
+    rows = []
+    for i in range(n):
+        x = torch.randn(dim, generator=g)
+        easy = bool(x[:32].sum() > 0)
+        tau = {1: 1.0, 4: 3.2 if easy else 1.3, 8: 6.0 if easy else 1.2}
+        rows.append(OracleRecord(f"p{i}", "synthetic", 10, 50, tau, {b: 50 for b in CANDIDATES}, x.tolist()))
+    return rows
+
+
+def test_objectives_and_the_cost_model():
+    record = _records(1)[0]
+    cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
+    assert objective_values(record, CANDIDATES, "acceptance", None) == [record.tau[b] for b in CANDIDATES]
+    values = objective_values(record, CANDIDATES, "throughput", cost)
+    assert values == pytest.approx([1000 * record.tau[1] / 50, 1000 * record.tau[4] / 110, 1000 * record.tau[8] / 140])
+    with pytest.raises(ValueError, match="cost model"):
+        objective_values(record, CANDIDATES, "throughput", None)
+
+
+def test_evaluate_choices_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+    report = evaluate_choices(values, torch.tensor([2, 1]), CANDIDATES, "acceptance")
+    assert report.accuracy == 0.5
+    assert report.regret == pytest.approx(0.5)  # (0 + 1) / 2
+    assert report.oracle_value == 3.0 and report.best_fixed_value == 2.0
+    assert report.policy_value == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("loss", ["regret", "ce"])
+def test_policy_learns_the_per_prompt_choice(loss):
+    target = make_target("qwen3", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
+    drafter = make_drafter(target)
+    config = PolicyTrainingConfig(loss=loss, objective="throughput", epochs=400, patience=100, learning_rate=1e-2,
+                                  dropout=0.0, width=16)
+    # on this cost model hard prompts are fastest without speculation, easy ones with b=8
+    cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
+    policy, report = train_policy(_records(400), CANDIDATES, [1], target, drafter, config, cost)
+    assert report.accuracy > 0.65, report  # a constant choice scores about 0.5 here
+    assert report.policy_value > report.best_fixed_value, report
+    assert report.oracle_counts[1] > 0 and report.oracle_counts[8] > 0
+    assert policy.candidates == CANDIDATES and policy.objective == "throughput"
+
+
+def test_measure_cost_model_on_a_tiny_pair():
+    target = make_target("llama", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
+    drafter = make_drafter(target)
+    cost = measure_cost_model(target, drafter, [1, 4], context_tokens=16, repeats=2)
+    assert set(cost.target_ms) == {1, 4} and set(cost.drafter_ms) == {4}
+    assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
+    assert cost.round_ms(1) == cost.target_ms[1]
