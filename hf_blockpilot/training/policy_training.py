@@ -78,7 +78,7 @@ def measure_cost_model(
 
         def verify() -> None:
             target(block, past_key_values=prefix, output_hidden_states=True)
-            prefix.crop(context_tokens)
+            prefix.crop(-b)  # negative = tokens to remove, on every Transformers 5.x
 
         target_ms[b] = _median_ms(verify, repeats, device)
         if b > 1:
