@@ -108,7 +108,7 @@ class BlockDiffusionAttention(nn.Module):
             key = key.repeat_interleave(repeats, dim=1)
             value = value.repeat_interleave(repeats, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 
 class BlockDiffusionDecoderLayer(nn.Module):
