@@ -80,6 +80,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         anchors_per_sequence=args.anchors,
         sequences_per_step=args.sequences_per_step,
         max_minutes=args.max_minutes,
+        warmup_steps=args.warmup_steps,
         seed=args.seed,
     )
     drafter = train_drafter(
@@ -88,6 +89,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         args.output_dir,
         prompts,
         num_layers=args.num_layers,
+        target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id,
         draft_vocab_size=args.draft_vocab_size or None,
         max_new_tokens=args.max_new_tokens,
         config=config,
@@ -140,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=4000, help="stdlib prompts answered by the target (0: reuse data)")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="id for draft slots (default: last embedding row)")
+    p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
     p.add_argument("--max-steps", type=int, default=2000)

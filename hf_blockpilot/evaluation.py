@@ -90,3 +90,121 @@ def measure_tau(
         report.tau[b] = tokens / max(forwards, 1)
         report.acceptance_length[b] = acc / max(rounds, 1)
     return report
+
+
+@dataclass
+class MethodResult:
+    """One prompt decoded by one method (`plain`, `b=<n>` or `policy`)."""
+
+    prompt_id: str
+    method: str
+    block_size: int | None
+    new_tokens: int
+    seconds: float
+    tau: float
+    identical_to_plain: bool | None
+    policy_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@torch.inference_mode()
+def decode_methods(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    prompts: Sequence[PromptRecord],
+    block_sizes: Sequence[int],
+    policy: object | None = None,
+    max_new_tokens: int = 128,
+    repeats: int = 1,
+    temperature: float = 0.0,
+) -> list[MethodResult]:
+    """Decode each prompt with plain `generate`, each fixed block size and (if given) the policy.
+
+    Real end-to-end decoding (no recorded lookups); time is the median over `repeats`; at T=0 every output
+    is compared with plain `generate`. The drafter's block size and policy are restored afterwards.
+    """
+    saved_block_size, saved_policy = drafter.block_size, drafter.policy
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
+    if temperature > 0:
+        gen["temperature"] = temperature
+    methods: list[tuple[str, int | None]] = [("plain", None)] + [(f"b={b}", b) for b in block_sizes]
+    if policy is not None:
+        methods.append(("policy", None))
+    results = []
+    try:
+        for record in tqdm(prompts, desc="decoding", unit="prompt"):
+            input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+            timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)  # warm-up
+            plain = None
+            for name, block_size in methods:
+                runs = []
+                for _ in range(repeats):
+                    if name == "plain":
+                        out, seconds = timed_generate(target, input_ids, **gen)
+                        stats = None
+                    else:
+                        drafter.set_policy(policy if name == "policy" else None)
+                        if block_size is not None:
+                            drafter.block_size = block_size
+                        out, seconds = timed_generate(target, input_ids, drafter, **gen)
+                        stats = drafter.last_stats
+                    runs.append((seconds, out, stats))
+                runs.sort(key=lambda run: run[0])
+                seconds, out, stats = runs[len(runs) // 2]
+                if name == "plain":
+                    plain = out
+                results.append(
+                    MethodResult(
+                        prompt_id=record.id,
+                        method=name,
+                        block_size=stats.block_size if stats else 1,
+                        new_tokens=out.shape[1] - input_ids.shape[1],
+                        seconds=seconds,
+                        tau=stats.tau if stats else 1.0,
+                        identical_to_plain=None if temperature > 0 else bool(torch.equal(out, plain)),
+                        policy_seconds=stats.policy_seconds if stats else 0.0,
+                    )
+                )
+    finally:
+        drafter.block_size = saved_block_size
+        drafter.set_policy(saved_policy)
+    return results
+
+
+def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, float]]:
+    """Per method: pooled tokens/s, speedup over plain, mean τ, mismatches; plus the per-prompt `oracle`.
+
+    The oracle picks, per prompt, the fixed block size with the highest measured tokens/s.
+    """
+    by_method: dict[str, list[MethodResult]] = {}
+    for r in results:
+        by_method.setdefault(r.method, []).append(r)
+    fixed = [m for m in by_method if m.startswith("b=")]
+    oracle = []
+    for prompt_id in dict.fromkeys(r.prompt_id for r in results):
+        rows = [r for r in results if r.prompt_id == prompt_id and r.method in fixed]
+        if rows:
+            best = max(rows, key=lambda r: r.tokens_per_second)
+            oracle.append(MethodResult(**{**best.__dict__, "method": "oracle"}))
+    if oracle:
+        by_method["oracle"] = oracle
+
+    def pooled(rows: list[MethodResult]) -> float:
+        return sum(r.new_tokens for r in rows) / max(sum(r.seconds for r in rows), 1e-9)
+
+    plain_tps = pooled(by_method["plain"])
+    summary = {}
+    for method, rows in by_method.items():
+        tps = pooled(rows)
+        summary[method] = {
+            "tokens_per_second": tps,
+            "speedup": tps / plain_tps,
+            "tau": sum(r.tau for r in rows) / len(rows),
+            "mismatches": sum(1 for r in rows if r.identical_to_plain is False),
+            "policy_overhead": sum(r.policy_seconds for r in rows) / max(sum(r.seconds for r in rows), 1e-9),
+        }
+    return summary

@@ -45,6 +45,8 @@ def read_sequences(data_dir: str | Path) -> list[TrainingSequence]:
     out = []
     with path.open() as f:
         for line in f:
+            if not line.endswith("\n"):  # a line still being written by a running generation
+                break
             row = json.loads(line)
             out.append(TrainingSequence(row["id"], row["prompt_ids"] + row["response_ids"], len(row["prompt_ids"])))
     return out

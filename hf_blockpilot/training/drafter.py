@@ -74,10 +74,17 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-def build_draft_vocab(sequences: Sequence[TrainingSequence], size: int, always: Sequence[int] = ()) -> list[int]:
-    """The `size` most frequent response tokens (plus `always`, e.g. EOS), sorted: a reduced draft vocabulary."""
+def build_draft_vocab(
+    sequences: Sequence[TrainingSequence], size: int, always: Sequence[int] = (), vocab_size: int | None = None
+) -> list[int]:
+    """A reduced draft vocabulary of `size` target ids, sorted: `always` (e.g. EOS), then the most frequent
+    response tokens, then, if the data has fewer distinct tokens and `vocab_size` is given, the lowest
+    unused ids (BPE assigns low ids to early, frequent merges)."""
     counts = Counter(tok for seq in sequences for tok in seq.input_ids[seq.response_start :])
     chosen = list(dict.fromkeys(list(always) + [tok for tok, _ in counts.most_common(size)]))[:size]
+    if vocab_size is not None and len(chosen) < size:
+        taken = set(chosen)
+        chosen += [i for i in range(vocab_size) if i not in taken][: size - len(chosen)]
     return sorted(chosen)
 
 
@@ -308,7 +315,8 @@ def train_drafter(
     else:
         eos = target.generation_config.eos_token_id
         always = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        vocab = build_draft_vocab(sequences, draft_vocab_size, always) if draft_vocab_size else None
+        num_embeddings = target.get_input_embeddings().weight.shape[0]
+        vocab = build_draft_vocab(sequences, draft_vocab_size, always, num_embeddings) if draft_vocab_size else None
         drafter = BlockDiffusionDrafter.from_target(
             target,
             num_hidden_layers=num_layers,
