@@ -121,6 +121,87 @@ def cmd_eval_drafter(args: argparse.Namespace) -> int:
     return 0 if all(sum(r["mismatches"].values()) == 0 for r in reports) else 1
 
 
+def _shard(args: argparse.Namespace) -> tuple[int, int]:
+    """(shard, num_shards): from `accelerate launch` / torchrun (RANK, WORLD_SIZE) when set, else the flags."""
+    import os
+
+    return int(os.environ.get("RANK", args.shard)), int(os.environ.get("WORLD_SIZE", args.num_shards))
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .datasets import load_prompts, stdlib_training_prompts
+    from .training.oracle import collect_oracle_labels
+    from .training.policy_training import measure_cost_model
+
+    target, tokenizer, drafter = _load(args)
+    if args.dataset == "stdlib":
+        prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed)
+    else:
+        prompts = load_prompts(args.dataset, args.num_prompts)
+    shard, num_shards = _shard(args)
+    cost_path = Path(args.output_dir) / "cost_model.json"
+    if shard == 0 and args.cost_model and not cost_path.exists():
+        cost_path.parent.mkdir(parents=True, exist_ok=True)
+        measure_cost_model(target, drafter, args.candidates).save(cost_path)
+    path = collect_oracle_labels(
+        target, tokenizer, drafter, prompts, args.output_dir, args.candidates, args.feature_layers,
+        args.max_new_tokens, shard=shard, num_shards=num_shards,
+    )
+    print(f"labels written to {path}")
+    return 0
+
+
+def cmd_train_policy(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from .training.oracle import read_oracle_labels
+    from .training.policy_training import CostModel, PolicyTrainingConfig, train_policy
+
+    target, _, drafter = _load(args)
+    labels = Path(args.labels)
+    manifest = json.loads((labels / "manifest.json").read_text())
+    records = read_oracle_labels(labels)
+    cost = CostModel.load(labels / "cost_model.json") if (labels / "cost_model.json").exists() else None
+    config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed)
+    policy, report = train_policy(
+        records, manifest["candidates"], manifest["feature_layers"], target, drafter, config, cost
+    )
+    policy.save_pretrained(args.output)
+    (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
+    print(json.dumps(asdict(report), indent=2))
+    return 0
+
+
+def cmd_evaluate_policy(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .datasets import load_prompts
+    from .evaluation import decode_methods, summarize_methods
+    from .policy import BlockPilotPolicy
+
+    target, tokenizer, drafter = _load(args)
+    policy = BlockPilotPolicy.from_pretrained(args.policy).to(target.device)
+    block_sizes = args.block_sizes or [b for b in policy.candidates if b > 1]
+    output = {}
+    for name in args.datasets:
+        results = decode_methods(
+            target, tokenizer, drafter, load_prompts(name, args.limit), block_sizes, policy,
+            args.max_new_tokens, args.repeats,
+        )
+        summary = summarize_methods(results)
+        output[name] = {"summary": summary, "results": [asdict(r) for r in results]}
+        print(f"\n{name}\n| method | tokens/s | speedup | τ | mismatches |\n|---|---|---|---|---|")
+        for method, row in summary.items():
+            print(f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f} | {row['tau']:.2f} | {row['mismatches']} |")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(output, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockpilot", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +247,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--output", default=None, help="write the reports as JSON")
     p.set_defaults(func=cmd_eval_drafter)
+
+    p = sub.add_parser("collect", help="oracle block-size labels by drafter replay (resumable, shardable)")
+    _add_model_args(p)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--dataset", default="stdlib", help="stdlib (training prompts) or an evaluation set name")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--candidates", type=int, nargs="+", default=[1, 4, 8, 12, 16, 20])
+    p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="skip timing the cost model")
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("train-policy", help="train a BlockPilot policy on collected labels")
+    _add_model_args(p)
+    p.add_argument("--labels", required=True, help="a `collect` output directory")
+    p.add_argument("--output", required=True, help="directory for the policy checkpoint")
+    p.add_argument("--loss", choices=["regret", "ce"], default="regret")
+    p.add_argument("--objective", choices=["throughput", "acceptance"], default="throughput")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_policy)
+
+    p = sub.add_parser("evaluate-policy", help="real decoding with the policy vs each fixed b and the oracle")
+    _add_model_args(p)
+    p.add_argument("--policy", required=True, help="policy Hub id or directory")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None, help="default: the policy's candidates")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--output", default=None)
+    p.set_defaults(func=cmd_evaluate_policy)
     return parser
 
 

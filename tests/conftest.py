@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import string
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import hf_blockpilot  # noqa: F401  (installs the generate() routing)
 from hf_blockpilot import BlockDiffusionDrafter
@@ -77,3 +80,32 @@ class ScriptedDrafter(BlockDiffusionDrafter):
         logits = 20.0 * torch.nn.functional.one_hot(tokens, vocab).float()
         out.last_hidden_state = (logits @ self.head_inverse.T).unsqueeze(0).to(out.last_hidden_state.dtype)
         return out
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}Z{% endif %}"
+
+
+def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """An offline tokenizer over a tiny vocab: id 0 = <pad>, then single characters; with a chat template."""
+    chars = (string.ascii_lowercase + string.ascii_uppercase)[: vocab_size - 1]
+    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert len(tokenizer) == vocab_size
+    assert tokenizer("abcA", add_special_tokens=False)["input_ids"] == [1, 2, 3, 27]
+    assert tokenizer.decode([1, 2, 3, 27]) == "abcA"
+    return tokenizer
+
+
+def save_tiny_pair(directory, family: str = "llama", vocab_size: int = 48, block_size: int = 4):
+    """A tiny target (+ tokenizer with chat template) and a drafter for it, saved as checkpoints."""
+    target = make_target(family, vocab_size=vocab_size, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    target.save_pretrained(directory / "target")
+    char_tokenizer(vocab_size).save_pretrained(directory / "target")
+    make_drafter(target, block_size=block_size).save_pretrained(directory / "drafter")
+    return directory / "target", directory / "drafter"

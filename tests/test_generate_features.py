@@ -6,13 +6,9 @@ inside accepted blocks; the output must still equal plain greedy `generate` with
 
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
-from conftest import ScriptedDrafter, make_drafter, make_target
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from conftest import ScriptedDrafter, char_tokenizer, make_drafter, make_target
 from transformers.generation.streamers import BaseStreamer
 
 import hf_blockpilot.candidate_generator as candidate_generator_module
@@ -170,22 +166,8 @@ def test_min_new_tokens(target, prompt):
 
 
 # ------------------------------------------------------------------------------------------- stop strings
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """An offline tokenizer over the tiny vocab: id 0 = <pad>, ids 1..47 = single characters."""
-    chars = (string.ascii_lowercase + string.ascii_uppercase)[: VOCAB - 1]
-    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
-    assert len(tokenizer) == VOCAB
-    assert tokenizer("abcA", add_special_tokens=False)["input_ids"] == [1, 2, 3, 27]
-    assert tokenizer.decode([1, 2, 3, 27]) == "abcA"
-    return tokenizer
-
-
 def test_stop_strings_mid_block(target, prompt, cuts):
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer(VOCAB)
     free = _gen(target, prompt, max_new_tokens=40)
     cont = free[0, PROMPT_LEN:].tolist()
     drafter = scripted(target, free)
