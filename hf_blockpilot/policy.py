@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import PyTorchModelHubMixin
+from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
 from torch import nn
 
+CARD_TEMPLATE = Path(__file__).parent / "templates" / "policy_card.md"
 NUM_LOGIT_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length
 
 
@@ -89,6 +92,29 @@ class BlockPilotPolicy(
         self.input_norm = nn.LayerNorm(feature_dim)
         self.net = nn.Sequential(
             nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
+        )
+
+        self.report: dict | None = None  # held-out metrics shown on the model card (set by training)
+
+    def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
+        """The Hub model card (README.md) written by `save_pretrained` / `push_to_hub`, from our template."""
+        report = asdict(self.report) if is_dataclass(self.report) else self.report
+        card_data = ModelCardData(library_name="hf-blockpilot", tags=["speculative-decoding", "dflash", "blockpilot"])
+        return ModelCard.from_template(
+            card_data,
+            template_path=str(CARD_TEMPLATE),
+            candidates=self.candidates,
+            feature_layers=self.feature_layers,
+            target_name=self.target_name,
+            target_hidden_size=self.target_hidden_size,
+            target_num_layers=self.target_num_layers,
+            target_vocab_size=self.target_vocab_size,
+            drafter_name=self.drafter_name,
+            drafter_fingerprint=self.drafter_fingerprint,
+            objective=self.objective,
+            num_parameters=sum(p.numel() for p in self.parameters()),
+            report=report,
+            loss=kwargs.get("loss"),
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -175,3 +175,17 @@ def test_attaching_to_another_target_errors_and_another_drafter_warns(target):
 def test_bad_candidates_are_rejected(target):
     with pytest.raises(ValueError, match="candidates"):
         make_policy(target, candidates=(0, 4))
+
+
+def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target):
+    from hf_blockpilot.training.policy_training import PolicyReport
+
+    policy = make_policy(target)
+    policy.report = PolicyReport(accuracy=0.75, regret=0.0123, policy_value=3.5, best_fixed_b=6,
+                                 best_fixed_value=3.1, oracle_value=3.9, objective="throughput", validation_prompts=40)
+    policy.save_pretrained(tmp_path / "p")
+    card = (tmp_path / "p" / "README.md").read_text()
+    assert "library_name: hf-blockpilot" in card
+    assert "# BlockPilot policy for tiny-qwen3" in card
+    assert "1, 3, 6" in card and "| accuracy vs per-prompt oracle b | 0.750 |" in card
+    assert "| best fixed b | 6 (3.100) |" in card

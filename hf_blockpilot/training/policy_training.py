@@ -239,4 +239,5 @@ def train_policy(
     policy.eval()
     with torch.no_grad():
         report = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective)
+    policy.report = report
     return policy, report
