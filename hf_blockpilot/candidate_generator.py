@@ -12,6 +12,7 @@ Round by round, inside Transformers' own assisted-decoding loop:
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,11 @@ from .stats import SpeculationStats
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+
+
+# Transformers releases up to about 5.22 end a round early when the *candidate* sequence meets a stopping
+# criterion, even with no candidates: a prompt that ends in EOS would then stop generation at once.
+_LOOP_CHECKS_CANDIDATES_FOR_STOP = "is_done_candidate" in inspect.getsource(GenerationMixin._assisted_decoding)
 
 
 class BlockDiffusionCandidateGenerator(CandidateGenerator):
@@ -87,6 +93,12 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         """Return `input_ids` extended by the drafts, and the (processed) logits the drafts were drawn from."""
         self.stats.target_forwards += 1  # every call is followed by exactly one target forward
         if is_first_iteration:
+            if _LOOP_CHECKS_CANDIDATES_FOR_STOP and bool(self._stops(input_ids, first=input_ids.shape[1] - 1).any()):
+                # Such a loop would stop before the first token. One placeholder candidate is verified like
+                # any draft (kept only if the target picks it), so the output is unchanged.
+                placeholder = self._placeholder_token(input_ids)
+                self.stats.drafted_per_round.append(1)
+                return torch.cat([input_ids, placeholder], dim=-1), None
             self.stats.drafted_per_round.append(0)
             return input_ids, None
         if self.block_size is None:
@@ -192,18 +204,30 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         generation stops exactly where plain `generate` stops, on every Transformers 5.x loop. This keeps
         sampling exact: whether a position carries a draft depends only on tokens before it.
         """
-        stops = torch.zeros_like(drafts, dtype=torch.bool)
-        if self.eos_token_ids is not None:
-            stops |= torch.isin(drafts, self.eos_token_ids.to(drafts.device))
-        if self.stop_strings is not None:
-            extended = torch.cat([input_ids, drafts], dim=-1)
-            cur_len = input_ids.shape[1]
-            for i in range(drafts.shape[1]):
-                stops[:, i] |= self.stop_strings(extended[:, : cur_len + i + 1], None).to(drafts.device)
+        stops = self._stops(torch.cat([input_ids, drafts], dim=-1), first=input_ids.shape[1])
         if not bool(stops.any()):
             return drafts, logits
         keep = int(stops[0].int().argmax())
         return drafts[:, :keep], logits[:, :keep]
+
+    def _stops(self, ids: torch.LongTensor, first: int) -> torch.Tensor:
+        """(1, n - first) bool: would generation stop right after `ids[:, i]`, for i >= first (EOS, or a stop
+        string ending there)."""
+        stops = torch.isin(ids[:, first:], self.eos_token_ids.to(ids.device)) if self.eos_token_ids is not None else (
+            torch.zeros_like(ids[:, first:], dtype=torch.bool)
+        )
+        if self.stop_strings is not None:
+            for i, end in enumerate(range(first + 1, ids.shape[1] + 1)):
+                stops[:, i] |= self.stop_strings(ids[:, :end], None).to(ids.device)
+        return stops
+
+    def _placeholder_token(self, input_ids: torch.LongTensor) -> torch.LongTensor:
+        """A token that ends nothing (the mask token unless it is an EOS id)."""
+        token = self.drafter.mask_token_id
+        eos = set() if self.eos_token_ids is None else set(self.eos_token_ids.view(-1).tolist())
+        while token in eos:
+            token = (token + 1) % self.vocab_size
+        return torch.full((1, 1), token, dtype=torch.long, device=input_ids.device)
 
 
 _stock_get_candidate_generator = GenerationMixin._get_candidate_generator

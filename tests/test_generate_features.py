@@ -196,3 +196,20 @@ def test_stop_strings_need_tokenizer(target, prompt):
     drafter = make_drafter(target, block_size=BLOCK)
     with pytest.raises(ValueError, match="tokenizer"):
         _gen(target, prompt, stop_strings=["ab"], assistant_model=drafter)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prompt_ending_in_eos(target, do_sample):
+    """Plain generate continues after a prompt that ends in EOS; so must we (older loops would stop at once)."""
+    prompt = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    eos = int(prompt[0, -1])
+    kwargs = dict(max_new_tokens=12, eos_token_id=eos, pad_token_id=0, do_sample=do_sample)
+    torch.manual_seed(0)
+    expected = target.generate(prompt, **kwargs)
+    assert expected.shape[1] > prompt.shape[1]
+    drafter = make_drafter(target, block_size=4)
+    torch.manual_seed(0)
+    out = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert out.shape[1] > prompt.shape[1]
+    if not do_sample:
+        assert torch.equal(out, expected)
