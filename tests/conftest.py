@@ -8,6 +8,7 @@ import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers.generation import GenerationMixin
 
 import hf_blockpilot  # noqa: F401  (installs the generate() routing)
 from hf_blockpilot import BlockDiffusionDrafter
@@ -48,6 +49,21 @@ def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0,
         with torch.no_grad():
             drafter.norm.weight.mul_(scale)
     return drafter
+
+
+@pytest.fixture
+def built_generators(monkeypatch):
+    """Collect the candidate generators generate() builds (behaviour unchanged)."""
+    built = []
+    routed = GenerationMixin._get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        generator = routed(self, *args, **kwargs)
+        built.append(generator)
+        return generator
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    return built
 
 
 @pytest.fixture(params=["llama", "qwen3"])

@@ -6,7 +6,6 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 from transformers import LlamaForCausalLM
-from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 from hf_blockpilot import BlockDiffusionCandidateGenerator, BlockDiffusionConfig, BlockDiffusionDrafter
@@ -134,20 +133,6 @@ def test_block_size_config_rejects(value):
 def test_block_size_from_target_rejects(target, value):
     with pytest.raises(ValueError, match=r"block_size must be"):
         BlockDiffusionDrafter.from_target(target, block_size=value)
-
-
-@pytest.fixture
-def built_generators(monkeypatch):
-    built = []
-    routed = GenerationMixin._get_candidate_generator
-
-    def spy(self, *args, **kwargs):
-        generator = routed(self, *args, **kwargs)
-        built.append(generator)
-        return generator
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
-    return built
 
 
 def test_stock_assistant_goes_through_stock_transformers(target, built_generators):

@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 from conftest import make_drafter, make_target
-from transformers.generation import GenerationMixin
 
 import hf_blockpilot.candidate_generator as candidate_generator_module
 from hf_blockpilot import BlockDiffusionDrafter
@@ -114,21 +113,6 @@ def target():
     return model
 
 
-@pytest.fixture
-def spy_generators(monkeypatch):
-    """Collect the candidate generators generate() builds (behaviour unchanged)."""
-    built = []
-    routed = GenerationMixin._get_candidate_generator
-
-    def spy(self, *args, **kwargs):
-        generator = routed(self, *args, **kwargs)
-        built.append(generator)
-        return generator
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
-    return built
-
-
 def _check_drafter_differs(target, drafter):
     """q must clearly differ from p, or a draft-distribution bug could hide."""
     gen = torch.Generator().manual_seed(0)
@@ -156,13 +140,13 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_sampling_matches_exact_distribution(target, spy_generators, config):
+def test_sampling_matches_exact_distribution(target, built_generators, config):
     kwargs = CONFIGS[config]
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
     _check_drafter_differs(target, drafter)
     counts, drafted, accepted = draw(target, drafter, NUM_SAMPLES, **kwargs)
 
-    generator = spy_generators[-1]
+    generator = built_generators[-1]
     assert isinstance(generator, candidate_generator_module.BlockDiffusionCandidateGenerator)
     if kwargs["top_k"] is None:
         assert len(generator.logits_processor) == 0, generator.logits_processor
@@ -198,12 +182,12 @@ class ArgmaxDraftsGenerator(candidate_generator_module.BlockDiffusionCandidateGe
         return logits.argmax(dim=-1)
 
 
-def test_chi_square_rejects_broken_generator(target, monkeypatch, spy_generators):
+def test_chi_square_rejects_broken_generator(target, monkeypatch, built_generators):
     monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", ArgmaxDraftsGenerator)
     kwargs = CONFIGS["t1_no_processors"]
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)  # the drafter of the passing T=1 run
     counts, drafted, accepted = draw(target, drafter, BROKEN_SAMPLES, **kwargs)
-    assert isinstance(spy_generators[-1], ArgmaxDraftsGenerator)  # the broken generator really ran
+    assert isinstance(built_generators[-1], ArgmaxDraftsGenerator)  # the broken generator really ran
     assert accepted > 0
     stat, df = chi_square(counts, exact_joint(target, PROMPT, **kwargs))
     print(f"broken: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
