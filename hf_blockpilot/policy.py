@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +72,7 @@ class BlockPilotPolicy(
         target_name: str = "",
         drafter_name: str = "",
         drafter_fingerprint: str = "",
+        report: dict | None = None,
     ):
         super().__init__()
         if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
@@ -94,11 +94,10 @@ class BlockPilotPolicy(
             nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
         )
 
-        self.report: dict | None = None  # held-out metrics shown on the model card (set by training)
+        self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
 
     def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
         """The Hub model card (README.md) written by `save_pretrained` / `push_to_hub`, from our template."""
-        report = asdict(self.report) if is_dataclass(self.report) else self.report
         card_data = ModelCardData(library_name="hf-blockpilot", tags=["speculative-decoding", "dflash", "blockpilot"])
         return ModelCard.from_template(
             card_data,
@@ -113,7 +112,7 @@ class BlockPilotPolicy(
             drafter_fingerprint=self.drafter_fingerprint,
             objective=self.objective,
             num_parameters=sum(p.numel() for p in self.parameters()),
-            report=report,
+            report=self.report,
             loss=kwargs.get("loss"),
         )
 

@@ -180,11 +180,20 @@ def test_bad_candidates_are_rejected(target):
 def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target):
     from hf_blockpilot.training.policy_training import PolicyReport
 
-    policy = make_policy(target)
-    policy.report = PolicyReport(accuracy=0.75, regret=0.0123, policy_value=3.5, best_fixed_b=6,
-                                 best_fixed_value=3.1, oracle_value=3.9, objective="throughput", validation_prompts=40)
+    from dataclasses import asdict
+
+    report = PolicyReport(accuracy=0.75, regret=0.0123, policy_value=3.5, best_fixed_b=6,
+                          best_fixed_value=3.1, oracle_value=3.9, objective="throughput", validation_prompts=40)
+    make_policy(target).save_pretrained(tmp_path / "first")
+    policy = BlockPilotPolicy.from_pretrained(tmp_path / "first")
+    assert policy.report is None
+    torch.manual_seed(0)
+    policy = BlockPilotPolicy(**{**json.loads((tmp_path / "first" / "config.json").read_text()), "report": asdict(report)})
     policy.save_pretrained(tmp_path / "p")
-    card = (tmp_path / "p" / "README.md").read_text()
+    reloaded = BlockPilotPolicy.from_pretrained(tmp_path / "p")  # the report survives the round trip
+    assert reloaded.report["best_fixed_b"] == 6
+    reloaded.save_pretrained(tmp_path / "again")
+    card = (tmp_path / "again" / "README.md").read_text()
     assert "library_name: hf-blockpilot" in card
     assert "# BlockPilot policy for tiny-qwen3" in card
     assert "1, 3, 6" in card and "| accuracy vs per-prompt oracle b | 0.750 |" in card

@@ -239,5 +239,6 @@ def train_policy(
     policy.eval()
     with torch.no_grad():
         report = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective)
-    policy.report = report
+    policy.report = asdict(report)
+    policy._hub_mixin_config["report"] = policy.report  # saved with the config, shown on the model card
     return policy, report

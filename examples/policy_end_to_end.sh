@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# collect -> train-policy -> evaluate-policy -> (optionally) push, on the embedded default or any pair.
+#   bash examples/policy_end_to_end.sh [OUT_DIR] [HUB_REPO]
+# Pass --target/--drafter through MODEL_ARGS for another pair, e.g.
+#   MODEL_ARGS="--target Qwen/Qwen3-4B --drafter z-lab/Qwen3-4B-DFlash-b16 --dtype bfloat16" bash examples/policy_end_to_end.sh
+set -euo pipefail
+OUT="${1:-runs/policy}"
+REPO="${2:-}"
+MODEL_ARGS="${MODEL_ARGS:-}"
+# Oracle labels on training prompts (never the evaluation sets); add more processes with
+#   accelerate launch --num_processes 2 -m hf_blockpilot collect ...
+hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels" --dataset stdlib --num-prompts "${NUM_PROMPTS:-200}" \
+    --candidates ${CANDIDATES:-1 4 8 12 16 20} --max-new-tokens 128
+hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels" --output "$OUT/policy" --loss regret --objective throughput
+hf-blockpilot evaluate-policy $MODEL_ARGS --policy "$OUT/policy" --datasets humaneval mtbench --limit "${LIMIT:-20}" \
+    --output "$OUT/evaluation.json"
+if [ -n "$REPO" ]; then
+    python -c "import sys; from hf_blockpilot import BlockPilotPolicy; BlockPilotPolicy.from_pretrained(sys.argv[1]).push_to_hub(sys.argv[2])" \
+        "$OUT/policy" "$REPO"
+fi
