@@ -202,6 +202,24 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_benchmark
+    from .policy import BlockPilotPolicy
+
+    target, tokenizer, drafter = _load(args)
+    policy = BlockPilotPolicy.from_pretrained(args.policy).to(target.device) if args.policy else drafter.policy
+    block_sizes = args.block_sizes or ([b for b in policy.candidates if b > 1] if policy else [4, 8, 16])
+    report = run_benchmark(
+        target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
+        args.max_new_tokens, args.repeats, args.output_dir,
+    )
+    from .bench import markdown_report
+
+    print(markdown_report(report))
+    mismatches = sum(row["mismatches"] for run in report["runs"] if run["temperature"] == 0 for row in run["summary"].values())
+    return 0 if mismatches == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockpilot", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--output", default=None)
     p.set_defaults(func=cmd_evaluate_policy)
+
+    p = sub.add_parser("bench", help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots")
+    _add_model_args(p)
+    p.add_argument("--policy", default=None, help="policy Hub id or directory (default: none)")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-dir", default="bench-results")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,150 @@
+"""Benchmark harness: plain `generate` vs each fixed block size vs BlockPilot vs the per-prompt oracle.
+
+Writes `results.json` (machine info, per-prompt rows, summaries), `results.md` (tables) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from . import __version__
+from .datasets import load_prompts
+from .evaluation import MethodResult, decode_methods, summarize_methods
+from .modeling_block_diffusion import BlockDiffusionDrafter
+
+
+def machine_info(device: torch.device | str) -> dict:
+    """What the numbers were measured on."""
+    device = torch.device(device)
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_blockpilot": __version__,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def run_benchmark(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    datasets: Sequence[str],
+    block_sizes: Sequence[int],
+    policy: object | None = None,
+    temperatures: Sequence[float] = (0.0, 1.0),
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    output_dir: str | Path | None = None,
+) -> dict:
+    """Decode every prompt of every dataset with every method at every temperature; summarize and save."""
+    report: dict = {"machine": machine_info(target.device), "settings": {
+        "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
+        "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
+    }, "runs": []}
+    for temperature in temperatures:
+        for name in datasets:
+            torch.manual_seed(0)
+            results = decode_methods(
+                target, tokenizer, drafter, load_prompts(name, limit), block_sizes, policy, max_new_tokens, repeats,
+                temperature,
+            )
+            report["runs"].append({
+                "dataset": name,
+                "temperature": temperature,
+                "summary": summarize_methods(results),
+                "results": [asdict(r) for r in results],
+            })
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "results.json").write_text(json.dumps(report, indent=2))
+        (output_dir / "results.md").write_text(markdown_report(report))
+        plot_report(report, output_dir)
+    return report
+
+
+def markdown_report(report: dict) -> str:
+    """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead."""
+    lines = [f"Machine: {report['machine']['processor']}, {report['machine']['cpu_threads']} threads, "
+             f"device {report['machine']['device']}, torch {report['machine']['torch']}, "
+             f"transformers {report['machine']['transformers']}.", ""]
+    for run in report["runs"]:
+        lines += [f"### {run['dataset']}, T={run['temperature']:g}", "",
+                  "| method | tokens/s | speedup | τ | greedy mismatches | policy overhead |",
+                  "|---|---|---|---|---|---|"]
+        for method, row in run["summary"].items():
+            mismatches = row["mismatches"] if run["temperature"] == 0 else "n/a"
+            lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
+                         f"{mismatches} | {100 * row['policy_overhead']:.2f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, output_dir: Path) -> list[Path]:
+    """speedup.png (by method and dataset), block_sizes.png (chosen vs oracle b), tau.png (τ distribution)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 4))
+    runs = report["runs"]
+    methods = list(dict.fromkeys(m for run in runs for m in run["summary"]))
+    width = 0.8 / max(len(runs), 1)
+    for i, run in enumerate(runs):
+        values = [run["summary"].get(m, {}).get("speedup", 0.0) for m in methods]
+        ax.bar([x + i * width for x in range(len(methods))], values, width, label=f"{run['dataset']} T={run['temperature']:g}")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(methods))], methods, rotation=30)
+    ax.set_ylabel("speedup over plain generate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(output_dir / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for run in runs:
+        rows = [MethodResult(**r) for r in run["results"]]
+        fixed = [r for r in rows if r.method.startswith("b=")]
+        for prompt_id in dict.fromkeys(r.prompt_id for r in rows):
+            mine = [r for r in fixed if r.prompt_id == prompt_id]
+            chosen = [r for r in rows if r.prompt_id == prompt_id and r.method == "policy"]
+            if mine and chosen:
+                oracle = max(mine, key=lambda r: r.tokens_per_second)
+                ax.scatter(oracle.block_size, chosen[0].block_size, alpha=0.5, s=15)
+    ax.set_xlabel("oracle b (best measured tokens/s)")
+    ax.set_ylabel("b chosen by BlockPilot")
+    fig.tight_layout()
+    paths.append(output_dir / "block_sizes.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in [m for m in methods if m not in ("plain", "oracle")]:
+        taus = [r["tau"] for run in runs for r in run["results"] if r["method"] == method]
+        ax.hist(taus, bins=20, alpha=0.5, label=method)
+    ax.set_xlabel("τ per prompt")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(output_dir / "tau.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

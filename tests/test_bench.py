@@ -1,0 +1,33 @@
+"""The benchmark harness end to end on tiny random checkpoints (seconds; no speed assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import save_tiny_pair
+
+from hf_blockpilot.cli import main
+
+
+def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    out = tmp_path / "bench"
+    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+                 "--datasets", "humaneval", "gsm8k", "--limit", "2", "--block-sizes", "2", "4",
+                 "--temperatures", "0", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out)])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
+    assert [(r["dataset"], r["temperature"]) for r in report["runs"]] == [
+        ("humaneval", 0.0), ("gsm8k", 0.0), ("humaneval", 1.0), ("gsm8k", 1.0)]
+    for run in report["runs"]:
+        assert set(run["summary"]) == {"plain", "b=2", "b=4", "oracle"}
+        assert len(run["results"]) == 2 * 3  # prompts x (plain + 2 fixed sizes)
+        assert run["summary"]["plain"]["speedup"] == 1.0
+        if run["temperature"] == 0:
+            assert all(r["identical_to_plain"] for r in run["results"])
+    table = (out / "results.md").read_text()
+    assert "### humaneval, T=0" in table and "| b=4 |" in table
+    for name in ("speedup.png", "block_sizes.png", "tau.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert "| oracle |" in capsys.readouterr().out
