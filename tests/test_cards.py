@@ -1,0 +1,23 @@
+"""Drafter model card: architecture facts and measured τ rendered from the template."""
+
+from __future__ import annotations
+
+from conftest import make_drafter, make_target
+
+from hf_blockpilot.cards import drafter_model_card
+from hf_blockpilot.evaluation import TauReport
+
+
+def test_drafter_card_reports_tau_per_block_size():
+    target = make_target("llama", vocab_size=48, hidden_size=64)
+    drafter = make_drafter(target, draft_vocab=list(range(40)))
+    reports = [
+        TauReport("humaneval", [4, 8], tau={4: 1.51, 8: 1.73}, mismatches={4: 0, 8: 0}, prompts=20),
+        TauReport("mtbench", [4, 8], tau={4: 1.22, 8: 1.3}, mismatches={4: 0, 8: 0}, prompts=20),
+    ]
+    card = str(drafter_model_card(drafter, "tiny-dflash", "org/tiny", reports, "RECIPE", "TRAIN", "EVAL"))
+    assert "base_model: org/tiny" in card and "library_name: hf-blockpilot" in card
+    assert "| humaneval | 20 | 1.51 | 1.73 |" in card
+    assert "| mtbench | 20 | 1.22 | 1.30 |" in card
+    assert "40 target ids" in card and "mismatches: 0" in card
+    assert "RECIPE" in card and "TRAIN" in card and "EVAL" in card
