@@ -18,10 +18,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from .defaults import resolve_drafter, resolve_target
+    from .defaults import resolve_drafter, resolve_policy, resolve_target
 
     target, tokenizer = resolve_target(args.target, dtype=args.dtype, device=args.device)
     drafter = resolve_drafter(args.drafter, dtype=args.dtype, device=args.device)
+    if getattr(args, "use_policy", None) is not None:
+        # the embedded policy only belongs to the embedded pair
+        default_pair = args.target is None and args.drafter is None
+        choice = args.use_policy if args.use_policy != "default" or default_pair else None
+        drafter.set_policy(resolve_policy(choice, device=args.device))
     return target, tokenizer, drafter
 
 
@@ -33,6 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target, tokenizer, drafter = _load(args)
     if args.block_size is not None:
         drafter.block_size = args.block_size
+        drafter.set_policy(None)
     input_ids = chat_inputs(tokenizer, args.prompt, target.device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
@@ -204,10 +210,9 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_benchmark
-    from .policy import BlockPilotPolicy
 
     target, tokenizer, drafter = _load(args)
-    policy = BlockPilotPolicy.from_pretrained(args.policy).to(target.device) if args.policy else drafter.policy
+    policy = drafter.policy
     block_sizes = args.block_sizes or ([b for b in policy.candidates if b > 1] if policy else [4, 8, 16])
     report = run_benchmark(
         target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
@@ -229,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--block-size", type=int, default=None, help="fixed block size (default: policy or drafter's)")
+    p.add_argument("--block-size", type=int, default=None, help="fixed block size (turns the policy off)")
+    p.add_argument("--policy", dest="use_policy", default="default",
+                   help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
     p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
@@ -302,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots")
     _add_model_args(p)
-    p.add_argument("--policy", default=None, help="policy Hub id or directory (default: none)")
+    p.add_argument("--policy", dest="use_policy", default="default",
+                   help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
     p.add_argument("--block-sizes", type=int, nargs="+", default=None)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

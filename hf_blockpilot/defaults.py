@@ -268,3 +268,20 @@ def resolve_drafter(
     torch_dtype = _resolve_dtype(dtype)
     drafter = BlockDiffusionDrafter.from_pretrained(str(path), **({} if torch_dtype == "auto" else {"dtype": torch_dtype}))
     return drafter.to(device).eval()
+
+
+#: Directory (inside the installed package) of the embedded default BlockPilot policy for that pair.
+DEFAULT_POLICY_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-blockpilot"
+
+
+def resolve_policy(name_or_path: str | os.PathLike[str] | None = "default", device: str | torch.device = "cpu"):
+    """A `BlockPilotPolicy` by Hub id or directory; "default" gives the embedded one (None if absent); None: none."""
+    from .policy import BlockPilotPolicy
+
+    if name_or_path is None or str(name_or_path) == "none":
+        return None
+    if str(name_or_path) == "default":
+        if not (DEFAULT_POLICY_DIR / "config.json").exists():
+            return None
+        name_or_path = DEFAULT_POLICY_DIR
+    return BlockPilotPolicy.from_pretrained(str(name_or_path)).to(device).eval()
