@@ -225,6 +225,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if mismatches == 0 else 1
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import build_demo
+
+    target, tokenizer, drafter = _load(args)
+    build_demo(target, tokenizer, drafter).launch(server_name=args.host, server_port=args.port, share=args.share)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-blockpilot", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -319,6 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output-dir", default="bench-results")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="Gradio demo: plain vs BlockPilot side by side, rounds highlighted")
+    _add_model_args(p)
+    p.add_argument("--policy", dest="use_policy", default="default",
+                   help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="Gradio share link")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -98,7 +98,7 @@ class ScriptedDrafter(BlockDiffusionDrafter):
         return out
 
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}Z{% endif %}"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}Q{% endif %}"
 
 
 def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

@@ -1,0 +1,133 @@
+"""Gradio demo: plain `generate` and BlockPilot side by side, streamed, with each verify round highlighted.
+
+    hf-blockpilot demo [--target ID] [--drafter ID] [--policy ID] [--share]
+"""
+
+from __future__ import annotations
+
+import html
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
+
+from .evaluation import chat_inputs
+from .modeling_block_diffusion import BlockDiffusionDrafter
+
+ROUND_COLORS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fbcfe8")
+CSS = ".round { border-radius: 3px; padding: 0 1px; } .bonus { text-decoration: underline; font-weight: 600; }"
+
+
+class RoundStreamer(BaseStreamer):
+    """Receives one `put` per verify round (the tokens that round committed) and queues them."""
+
+    def __init__(self) -> None:
+        self.rounds: queue.Queue = queue.Queue()
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first puts the prompt
+            self._prompt_seen = True
+            return
+        self.rounds.put(value.view(-1).tolist())
+
+    def end(self) -> None:
+        self.rounds.put(None)
+
+
+def rounds_html(tokenizer: PreTrainedTokenizerBase, rounds: list[list[int]]) -> str:
+    """Each round's tokens in its own colour; the round's last token (the target's bonus token) underlined."""
+    parts = []
+    for i, tokens in enumerate(rounds):
+        color = ROUND_COLORS[i % len(ROUND_COLORS)]
+        drafted = html.escape(tokenizer.decode(tokens[:-1], skip_special_tokens=True))
+        bonus = html.escape(tokenizer.decode(tokens[-1:], skip_special_tokens=True))
+        parts.append(
+            f'<span class="round round-{i}" style="background:{color}" title="round {i}: {len(tokens) - 1} accepted'
+            f' + 1">{drafted}<span class="bonus">{bonus}</span></span>'
+        )
+    return '<div class="blocks" style="white-space: pre-wrap; font-family: monospace">' + "".join(parts) + "</div>"
+
+
+def _in_thread(fn, result: dict, **kwargs) -> threading.Thread:
+    """Run `fn(**kwargs)` in a daemon thread; its return value lands in `result["output"]`."""
+    thread = threading.Thread(target=lambda: result.update(output=fn(**kwargs)), daemon=True)
+    thread.start()
+    return thread
+
+
+def compare_stream(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    prompt: str,
+    max_new_tokens: int,
+) -> Iterator[tuple[str, str, str, dict]]:
+    """Yield (plain text, BlockPilot HTML, stats markdown, policy probabilities) as both decodes stream.
+
+    Plain `generate` runs first, then BlockPilot, one after the other, so neither slows the other's timing.
+    """
+    input_ids = chat_inputs(tokenizer, prompt, target.device)
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
+    plain_text, blocks, stats_md, probs = "", "", "", {}
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    plain_out: dict = {}
+    thread = _in_thread(target.generate, plain_out, inputs=input_ids, streamer=streamer, **gen)
+    for piece in streamer:
+        plain_text += piece
+        yield plain_text, blocks, "plain generate running…", probs
+    thread.join()
+    plain_seconds = time.perf_counter() - start
+
+    rounds_streamer = RoundStreamer()
+    rounds: list[list[int]] = []
+    start = time.perf_counter()
+    thread = _in_thread(
+        target.generate, {}, inputs=input_ids, streamer=rounds_streamer, assistant_model=drafter, **gen
+    )
+    while (tokens := rounds_streamer.rounds.get()) is not None:
+        rounds.append(tokens)
+        yield plain_text, rounds_html(tokenizer, rounds), "BlockPilot running…", probs
+    thread.join()
+    seconds = time.perf_counter() - start
+    stats = drafter.last_stats
+    plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
+    tps = stats.new_tokens / seconds
+    probs = {f"b={b}": p for b, p in (stats.policy_probs or {}).items()}
+    stats_md = (
+        f"**block size** {stats.block_size} · **τ** {stats.tau:.2f} · **rounds** {stats.target_forwards} · "
+        f"**tokens/s** {tps:.1f} (plain {plain_tps:.1f}) · **speedup** {tps / plain_tps:.2f}×"
+        + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else " · fixed block size")
+    )
+    yield plain_text, rounds_html(tokenizer, rounds), stats_md, probs
+
+
+def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: BlockDiffusionDrafter):
+    """The Gradio Blocks app (call `.queue().launch()`); one request at a time shares the models safely."""
+    import gradio as gr
+
+    def run(prompt: str, max_new_tokens: int):
+        yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens))
+
+    with gr.Blocks(title="hf-blockpilot", css=CSS) as demo:
+        gr.Markdown(
+            "# hf-blockpilot\nBlock-diffusion speculative decoding with a per-request block size. Left: plain "
+            "`generate`. Right: each coloured span is one verify round (accepted drafts + the target's underlined "
+            "bonus token). Greedy output is identical on both sides."
+        )
+        with gr.Row():
+            prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt", scale=4)
+            max_new = gr.Slider(8, 512, value=128, step=8, label="max new tokens", scale=1)
+        run_button = gr.Button("Run", variant="primary", elem_id="run")
+        with gr.Row():
+            plain = gr.Textbox(label="plain generate", lines=12, elem_id="plain-output")
+            fast = gr.HTML(label="BlockPilot", elem_id="blockpilot-output")
+        stats = gr.Markdown(elem_id="stats")
+        probs = gr.Label(label="policy: probability per block size", elem_id="policy-probs")
+        run_button.click(run, inputs=[prompt, max_new], outputs=[plain, fast, stats, probs], concurrency_limit=1)
+    return demo.queue(default_concurrency_limit=1)

@@ -1,0 +1,97 @@
+"""Gradio demo: the streaming logic on tiny models, and a real headless-Chromium test of the app."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from conftest import ScriptedDrafter, char_tokenizer, make_target
+
+from hf_blockpilot.demo import compare_stream, rounds_html
+
+VOCAB = 48
+
+
+def _pair():
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    tokenizer = char_tokenizer(VOCAB)
+    return target, tokenizer
+
+
+def test_compare_stream_shows_every_round_and_matching_text():
+    target, tokenizer = _pair()
+    ids = tokenizer("abcdefQ", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, plain, error_rate=0.2)
+    updates = list(compare_stream(target, tokenizer, drafter, "abcdef", 24))
+    plain_text, blocks, stats_md, _ = updates[-1]
+    assert plain_text == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+    stats = drafter.last_stats
+    assert blocks.count('class="round ') == stats.target_forwards  # one span per verify round
+    assert f"**block size** {stats.block_size}" in stats_md and "speedup" in stats_md
+    assert len(updates) > stats.target_forwards  # streamed, not all at the end
+
+
+def test_rounds_html_marks_the_bonus_token():
+    tokenizer = char_tokenizer(VOCAB)
+    out = rounds_html(tokenizer, [[1, 2, 3], [4]])
+    assert 'class="round round-0"' in out and 'class="round round-1"' in out
+    assert '<span class="bonus">c</span>' in out and '<span class="bonus">d</span>' in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_demo_in_a_real_browser(tmp_path):
+    gr = pytest.importorskip("gradio")
+    playwright = pytest.importorskip("playwright.sync_api")
+    from hf_blockpilot.demo import build_demo
+
+    target, tokenizer = _pair()
+    ids = tokenizer("helloQ", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    plain = target.generate(ids, max_new_tokens=32, do_sample=False)
+    drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, plain, error_rate=0.1)
+    port = _free_port()
+    demo = build_demo(target, tokenizer, drafter)
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            )
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/", wait_until="networkidle")
+            page.locator("#prompt textarea").fill("hello")
+            page.locator("#run").click()
+            page.wait_for_selector("#stats :text('speedup')", timeout=60_000)
+            assert page.locator("#blockpilot-output .round").count() == drafter.last_stats.target_forwards
+            assert page.locator("#blockpilot-output .bonus").count() >= 1
+            expected = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+            assert page.locator("#plain-output textarea").input_value() == expected
+            stats = page.locator("#stats").inner_text()
+            assert "block size" in stats and "τ" in stats
+            page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
+            shot = os.environ.get("HF_BLOCKPILOT_SCREENSHOT")
+            if shot:
+                page.screenshot(path=shot, full_page=True)
+            browser.close()
+    finally:
+        demo.close()
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
