@@ -19,7 +19,7 @@ from .evaluation import chat_inputs
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
 ROUND_COLORS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fbcfe8")
-CSS = ".round { border-radius: 3px; padding: 0 1px; } .bonus { text-decoration: underline; font-weight: 600; }"
+BONUS_STYLE = "text-decoration: underline; font-weight: 600"
 
 
 class RoundStreamer(BaseStreamer):
@@ -47,10 +47,11 @@ def rounds_html(tokenizer: PreTrainedTokenizerBase, rounds: list[list[int]]) -> 
         drafted = html.escape(tokenizer.decode(tokens[:-1], skip_special_tokens=True))
         bonus = html.escape(tokenizer.decode(tokens[-1:], skip_special_tokens=True))
         parts.append(
-            f'<span class="round round-{i}" style="background:{color}" title="round {i}: {len(tokens) - 1} accepted'
-            f' + 1">{drafted}<span class="bonus">{bonus}</span></span>'
+            f'<span class="round round-{i}" style="background:{color}; border-radius: 3px" title="round {i}: '
+            f'{len(tokens) - 1} accepted + 1">{drafted}<span class="bonus" style="{BONUS_STYLE}">{bonus}</span></span>'
         )
-    return '<div class="blocks" style="white-space: pre-wrap; font-family: monospace">' + "".join(parts) + "</div>"
+    style = "white-space: pre-wrap; overflow-wrap: anywhere; font-family: monospace"
+    return f'<div class="blocks" style="{style}">' + "".join(parts) + "</div>"
 
 
 def _in_thread(fn, result: dict, **kwargs) -> threading.Thread:
@@ -114,7 +115,7 @@ def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draf
     def run(prompt: str, max_new_tokens: int):
         yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens))
 
-    with gr.Blocks(title="hf-blockpilot", css=CSS) as demo:
+    with gr.Blocks(title="hf-blockpilot") as demo:
         gr.Markdown(
             "# hf-blockpilot\nBlock-diffusion speculative decoding with a per-request block size. Left: plain "
             "`generate`. Right: each coloured span is one verify round (accepted drafts + the target's underlined "
@@ -126,7 +127,9 @@ def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draf
         run_button = gr.Button("Run", variant="primary", elem_id="run")
         with gr.Row():
             plain = gr.Textbox(label="plain generate", lines=12, elem_id="plain-output")
-            fast = gr.HTML(label="BlockPilot", elem_id="blockpilot-output")
+            with gr.Column():
+                gr.Markdown("**BlockPilot** (one colour per verify round)")
+                fast = gr.HTML(elem_id="blockpilot-output")
         stats = gr.Markdown(elem_id="stats")
         probs = gr.Label(label="policy: probability per block size", elem_id="policy-probs")
         run_button.click(run, inputs=[prompt, max_new], outputs=[plain, fast, stats, probs], concurrency_limit=1)

@@ -43,7 +43,8 @@ def test_rounds_html_marks_the_bonus_token():
     tokenizer = char_tokenizer(VOCAB)
     out = rounds_html(tokenizer, [[1, 2, 3], [4]])
     assert 'class="round round-0"' in out and 'class="round round-1"' in out
-    assert '<span class="bonus">c</span>' in out and '<span class="bonus">d</span>' in out
+    assert 'class="bonus" style="text-decoration: underline; font-weight: 600">c</span>' in out
+    assert 'class="bonus" style="text-decoration: underline; font-weight: 600">d</span>' in out
 
 
 def _free_port() -> int:
@@ -64,7 +65,7 @@ def test_demo_in_a_real_browser(tmp_path):
 
     target, tokenizer = _pair()
     ids = tokenizer("helloQ", return_tensors="pt", add_special_tokens=False)["input_ids"]
-    plain = target.generate(ids, max_new_tokens=32, do_sample=False)
+    plain = target.generate(ids, max_new_tokens=128, do_sample=False)  # the app's default max new tokens
     drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, plain, error_rate=0.1)
     port = _free_port()
     demo = build_demo(target, tokenizer, drafter)
