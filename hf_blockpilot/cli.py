@@ -124,6 +124,22 @@ def cmd_eval_drafter(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(reports, f, indent=2)
+    if args.card:
+        from pathlib import Path
+
+        from .cards import drafter_model_card
+        from .evaluation import TauReport
+
+        card = drafter_model_card(
+            drafter,
+            name=args.card_name or Path(args.drafter or "drafter").name,
+            target_name=args.card_target_name or getattr(target.config, "_name_or_path", ""),
+            reports=[TauReport(**r) for r in reports],
+            recipe=Path(args.card_recipe).read_text() if args.card_recipe else "",
+            train_command=args.card_train_command or "",
+            eval_command="hf-blockpilot eval-drafter " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "hf-blockpilot eval-drafter",
+        )
+        card.save(args.card)
     return 0 if all(sum(r["mismatches"].values()) == 0 for r in reports) else 1
 
 
@@ -279,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--output", default=None, help="write the reports as JSON")
+    p.add_argument("--card", default=None, help="write a model card (README.md) with the measured τ here")
+    p.add_argument("--card-name", default=None)
+    p.add_argument("--card-target-name", default=None, help="Hub id of the target named on the card")
+    p.add_argument("--card-recipe", default=None, help="markdown file describing the training recipe and data")
+    p.add_argument("--card-train-command", default=None)
     p.set_defaults(func=cmd_eval_drafter)
 
     p = sub.add_parser("collect", help="oracle block-size labels by drafter replay (resumable, shardable)")
