@@ -159,7 +159,11 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     target, tokenizer, drafter = _load(args)
     if args.dataset == "stdlib":
-        prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed)
+        excluded = set()
+        if args.exclude_responses:  # e.g. the drafter's training data: its τ there would be inflated
+            excluded = {json.loads(line)["id"] for line in Path(args.exclude_responses).open()}
+        pool = stdlib_training_prompts(min(args.num_prompts + len(excluded), 12000), seed=args.seed)
+        prompts = [p for p in pool if p.id not in excluded][: args.num_prompts]
     else:
         prompts = load_prompts(args.dataset, args.num_prompts)
     shard, num_shards = _shard(args)
@@ -307,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--dataset", default="stdlib", help="stdlib (training prompts) or an evaluation set name")
     p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--exclude-responses", default=None, help="a responses.jsonl whose prompt ids to leave out")
     p.add_argument("--candidates", type=int, nargs="+", default=[1, 4, 8, 12, 16, 20])
     p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
     p.add_argument("--max-new-tokens", type=int, default=128)
