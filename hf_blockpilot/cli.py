@@ -171,6 +171,17 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if shard == 0 and args.cost_model and not cost_path.exists():
         cost_path.parent.mkdir(parents=True, exist_ok=True)
         measure_cost_model(target, drafter, args.candidates).save(cost_path)
+    if args.verify and shard == 0:
+        from .training.oracle import check_replay_against_decoding
+
+        check = check_replay_against_decoding(
+            target, tokenizer, drafter, prompts[: args.verify], args.candidates, args.max_new_tokens
+        )
+        (Path(args.output_dir) / "replay_check.json").write_text(json.dumps(check, indent=2))
+        print(f"replay == real decoding for {check['equal']}/{check['checked']} (prompt, b) pairs; "
+              f"replay {check['speedup']:.1f}x faster than decoding once per b")
+        if check["equal"] != check["checked"]:
+            return 1
     path = collect_oracle_labels(
         target, tokenizer, drafter, prompts, args.output_dir, args.candidates, args.feature_layers,
         args.max_new_tokens, shard=shard, num_shards=num_shards,
@@ -316,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="skip timing the cost model")
+    p.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="first check replay == real decoding on N prompts (and time both)")
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)

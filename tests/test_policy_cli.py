@@ -16,7 +16,7 @@ def test_collect_train_evaluate(tmp_path, capsys):
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
     labels = tmp_path / "labels"
     args = ["collect", *models, "--output-dir", str(labels), "--dataset", "stdlib", "--num-prompts", "12",
-            "--candidates", "1", "3", "6", "--feature-layers", "1", "3", "--max-new-tokens", "16"]
+            "--candidates", "1", "3", "6", "--feature-layers", "1", "3", "--max-new-tokens", "16", "--verify", "2"]
     assert main(args) == 0
     assert main(args) == 0  # resumable: a rerun adds nothing
     records = read_oracle_labels(labels)
@@ -24,6 +24,8 @@ def test_collect_train_evaluate(tmp_path, capsys):
     assert all(set(r.tau) == {1, 3, 6} and r.tau[1] == 1.0 for r in records)
     assert json.loads((labels / "manifest.json").read_text())["candidates"] == [1, 3, 6]
     assert (labels / "cost_model.json").exists()
+    check = json.loads((labels / "replay_check.json").read_text())
+    assert check["checked"] == 4 and check["equal"] == 4 and check["speedup"] > 0
 
     policy_dir = tmp_path / "policy"
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(policy_dir)]) == 0

@@ -165,3 +165,52 @@ def read_oracle_labels(output_dir: str | Path) -> list[OracleRecord]:
             row["rounds"] = {int(k): v for k, v in row["rounds"].items()}
             rows.append(OracleRecord(**row))
     return rows
+
+
+@torch.inference_mode()
+def check_replay_against_decoding(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    prompts: Sequence[PromptRecord],
+    candidates: Sequence[int],
+    max_new_tokens: int,
+) -> dict:
+    """On a sample, decode for real once per b and compare with the replay: equality and the time saved."""
+    import time
+
+    from ..evaluation import timed_generate
+
+    saved = drafter.block_size
+    equal, total, decode_seconds, replay_seconds = 0, 0, 0.0, 0.0
+    try:
+        for record in prompts:
+            input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+            start = time.perf_counter()
+            oracle_record(target, tokenizer, drafter, record, candidates, [0], max_new_tokens)
+            replay_seconds += time.perf_counter() - start
+            for b in candidates:
+                if b == 1:
+                    _, seconds = timed_generate(target, input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+                    decode_seconds += seconds
+                    continue
+                drafter.block_size = b
+                out, seconds = timed_generate(target, input_ids, drafter, max_new_tokens=max_new_tokens, do_sample=False)
+                decode_seconds += seconds
+                real = drafter.last_stats
+                hidden = target(out, output_hidden_states=True).hidden_states
+                eos = target.generation_config.eos_token_id
+                eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+                sim = replay_block_size(target, drafter, hidden, out, input_ids.shape[1], b, max_new_tokens, eos_ids)
+                equal += sim.accepted_per_round == real.accepted_per_round and sim.tau == real.tau
+                total += 1
+    finally:
+        drafter.block_size = saved
+    return {
+        "prompts": len(prompts),
+        "checked": total,
+        "equal": equal,
+        "decode_seconds": decode_seconds,
+        "replay_seconds": replay_seconds,
+        "speedup": decode_seconds / max(replay_seconds, 1e-9),
+    }
