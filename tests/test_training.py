@@ -97,3 +97,25 @@ def test_init_from_target_reads_the_targets_own_past():
     hidden = torch.randn(1, 5, 2 * 64)
     # the context is exactly the target layer's normed input: the layer-2 half of the features
     torch.testing.assert_close(drafter.project_context(hidden), source.input_layernorm(hidden[..., 64:]))
+
+
+def test_generate_responses_resumes_and_restores_the_dtype(tmp_path):
+    from conftest import char_tokenizer
+
+    from hf_blockpilot.datasets import PromptRecord
+    from hf_blockpilot.training.data import generate_responses, read_sequences
+
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = 5
+    tokenizer = char_tokenizer(48)
+    prompts = [PromptRecord(f"p{i}", "test", "abc" * (i + 1)) for i in range(5)]
+    written = generate_responses(target, tokenizer, prompts[:3], tmp_path, batch_size=2, max_new_tokens=6)
+    assert target.dtype == torch.float32  # generation ran in bf16, the caller's model is back to fp32
+    assert written > 0
+    generate_responses(target, tokenizer, prompts, tmp_path, batch_size=2, max_new_tokens=6)  # resumes
+    seqs = read_sequences(tmp_path)
+    assert sorted(s.id for s in seqs) == [f"p{i}" for i in range(5)]
+    for seq in seqs:
+        response = seq.input_ids[seq.response_start :]
+        assert 1 <= len(response) <= 6
+        assert 5 not in response[:-1]  # cut right after the first EOS

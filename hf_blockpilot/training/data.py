@@ -83,33 +83,37 @@ def generate_responses(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = target.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    model = target.to(dtype) if dtype is not None else target
+    original_dtype = target.dtype
+    model = target.to(dtype) if dtype is not None else target  # the caller's dtype is restored below
     written = 0
     bar = tqdm(total=len(todo), desc="target responses", unit="prompt")
-    with out_path.open("a") as f:
-        for batch in _batches(todo, batch_size):
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            attention_mask = torch.zeros_like(input_ids)
-            for row, (_, ids) in enumerate(batch):  # left padding
-                input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                attention_mask[row, width - len(ids) :] = 1
-            out = model.generate(
-                input_ids=input_ids.to(model.device),
-                attention_mask=attention_mask.to(model.device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )[:, width:].tolist()
-            for (seq_id, ids), response in zip(batch, out):
-                end = next((i + 1 for i, tok in enumerate(response) if tok in eos_ids), len(response))
-                response = response[:end]
-                f.write(json.dumps({"id": seq_id, "prompt_ids": ids, "response_ids": response}) + "\n")
-                written += len(response)
-            f.flush()
-            bar.update(len(batch))
-            bar.set_postfix(tokens=written)
-    bar.close()
+    try:
+        with out_path.open("a") as f:
+            for batch in _batches(todo, batch_size):
+                width = max(len(ids) for _, ids in batch)
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                attention_mask = torch.zeros_like(input_ids)
+                for row, (_, ids) in enumerate(batch):  # left padding
+                    input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                    attention_mask[row, width - len(ids) :] = 1
+                out = model.generate(
+                    input_ids=input_ids.to(model.device),
+                    attention_mask=attention_mask.to(model.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad_id,
+                )[:, width:].tolist()
+                for (seq_id, ids), response in zip(batch, out):
+                    end = next((i + 1 for i, tok in enumerate(response) if tok in eos_ids), len(response))
+                    response = response[:end]
+                    f.write(json.dumps({"id": seq_id, "prompt_ids": ids, "response_ids": response}) + "\n")
+                    written += len(response)
+                f.flush()
+                bar.update(len(batch))
+                bar.set_postfix(tokens=written)
+    finally:
+        target.to(original_dtype)
+        bar.close()
     return written
 
 

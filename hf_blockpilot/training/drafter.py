@@ -306,7 +306,6 @@ def train_drafter(
     output_dir = Path(output_dir)
     if prompts is not None:
         generate_responses(target, tokenizer, prompts, output_dir / "data", generation_batch_size, max_new_tokens)
-    target = target.float()
     sequences = read_sequences(output_dir / "data")
     checkpoint = output_dir / CHECKPOINT_DIR
     if (checkpoint / STATE_FILE).exists():
