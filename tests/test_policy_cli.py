@@ -44,3 +44,19 @@ def test_collect_train_evaluate(tmp_path, capsys):
         assert f"| {method} |" in table
     summary = json.loads(out_json.read_text())["humaneval"]["summary"]
     assert all(row["mismatches"] == 0 for row in summary.values())
+
+
+def test_collect_shards_over_processes(tmp_path, monkeypatch):
+    """Two processes (RANK/WORLD_SIZE as `accelerate launch` sets them) split the prompts without overlap."""
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    args = ["collect", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+            "--output-dir", str(tmp_path / "labels"), "--num-prompts", "7", "--candidates", "1", "4",
+            "--feature-layers", "1", "--max-new-tokens", "8", "--no-cost-model"]
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(args) == 0
+    shards = [[json.loads(line)["id"] for line in (tmp_path / "labels" / f"labels-00{r}.jsonl").open()] for r in (0, 1)]
+    assert len(shards[0]) == 4 and len(shards[1]) == 3
+    assert not set(shards[0]) & set(shards[1])
+    assert len(read_oracle_labels(tmp_path / "labels")) == 7
