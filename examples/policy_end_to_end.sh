@@ -8,7 +8,7 @@ OUT="${1:-runs/policy}"
 REPO="${2:-}"
 MODEL_ARGS="${MODEL_ARGS:-}"
 # Oracle labels on training prompts (never the evaluation sets); add more processes with
-#   accelerate launch --num_processes 2 -m hf_blockpilot collect ...
+#   torchrun --nproc_per_node 2 -m hf_blockpilot collect ...   (or accelerate launch --multi_gpu on GPUs)
 hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels" --dataset stdlib --num-prompts "${NUM_PROMPTS:-200}" \
     --candidates ${CANDIDATES:-1 4 8 12 16 20} --max-new-tokens 128
 hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels" --output "$OUT/policy" --loss regret --objective throughput
