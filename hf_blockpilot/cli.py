@@ -203,9 +203,11 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     records = read_oracle_labels(labels)
     cost = CostModel.load(labels / "cost_model.json") if (labels / "cost_model.json").exists() else None
     config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed)
-    policy, report = train_policy(
-        records, manifest["candidates"], manifest["feature_layers"], target, drafter, config, cost
-    )
+    candidates = args.candidates or manifest["candidates"]
+    missing = sorted(set(candidates) - set(manifest["candidates"]))
+    if missing:
+        raise SystemExit(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
+    policy, report = train_policy(records, candidates, manifest["feature_layers"], target, drafter, config, cost)
     policy.save_pretrained(args.output)
     (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
@@ -338,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--labels", required=True, help="a `collect` output directory")
     p.add_argument("--output", required=True, help="directory for the policy checkpoint")
+    p.add_argument("--candidates", type=int, nargs="+", default=None, help="a subset of the collected block sizes")
     p.add_argument("--loss", choices=["regret", "ce"], default="regret")
     p.add_argument("--objective", choices=["throughput", "acceptance"], default="throughput")
     p.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,8 @@ def test_collect_train_evaluate(tmp_path, capsys):
     assert check["checked"] == 4 and check["equal"] == 4 and check["speedup"] > 0
 
     policy_dir = tmp_path / "policy"
+    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(tmp_path / "sub"), "--candidates", "3", "6"]) == 0
+    assert BlockPilotPolicy.from_pretrained(tmp_path / "sub").candidates == [3, 6]
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(policy_dir)]) == 0
     policy = BlockPilotPolicy.from_pretrained(policy_dir)
     assert policy.candidates == [1, 3, 6] and policy.feature_layers == [1, 3]
