@@ -123,7 +123,7 @@ class PolicyTrainingConfig:
     epochs: int = 300
     learning_rate: float = 3e-3
     weight_decay: float = 1e-2
-    validation_fraction: float = 0.25
+    validation_fraction: float = 0.2  # of the prompts for the test split, then of the rest for validation
     patience: int = 40
     seed: int = 0
     width: int = 64
@@ -182,11 +182,14 @@ def train_policy(
     config: PolicyTrainingConfig,
     cost: CostModel | None = None,
 ) -> tuple[BlockPilotPolicy, PolicyReport]:
-    """Fit a `BlockPilotPolicy` on oracle records; early stopping on held-out regret. Returns it + its report."""
+    """Fit a `BlockPilotPolicy` on oracle records: early stopping on validation regret, metrics on a test split
+    of prompts it never saw. Returns the policy and that report."""
     from ..policy import drafter_fingerprint
 
     torch.manual_seed(config.seed)
-    train, val = split_by_prompt(records, config.validation_fraction, config.seed)
+    # train / validation (early stopping) / test (the reported metrics), split by prompt
+    rest, test = split_by_prompt(records, config.validation_fraction, config.seed)
+    train, val = split_by_prompt(rest, config.validation_fraction, config.seed + 1)
 
     def tensors(rows):
         x = torch.tensor([r.features for r in rows], dtype=torch.float32)
@@ -195,6 +198,7 @@ def train_policy(
 
     x_train, v_train = tensors(train)
     x_val, v_val = tensors(val)
+    x_test, v_test = tensors(test)
     text_config = target.config.get_text_config()
     policy = BlockPilotPolicy(
         candidates=list(candidates),
@@ -238,7 +242,7 @@ def train_policy(
     policy.load_state_dict(best_state)
     policy.eval()
     with torch.no_grad():
-        report = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective)
+        report = evaluate_choices(v_test, policy(x_test).argmax(dim=1), candidates, config.objective)
     policy.report = asdict(report)
     policy._hub_mixin_config["report"] = policy.report  # saved with the config, shown on the model card
     return policy, report
