@@ -74,3 +74,15 @@ def test_measure_cost_model_on_a_tiny_pair():
     assert set(cost.target_ms) == {1, 4} and set(cost.drafter_ms) == {4}
     assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
     assert cost.round_ms(1) == cost.target_ms[1]
+
+
+def test_compare_objectives_shows_where_they_disagree():
+    from hf_blockpilot.training.policy_training import compare_objectives
+
+    cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
+    result = compare_objectives(_records(200), CANDIDATES, cost)
+    # acceptance never picks b=1 (τ(1) = 1 is the minimum); throughput does for the hard prompts
+    assert result["acceptance"]["oracle_counts"][1] == 0
+    assert result["throughput"]["oracle_counts"][1] > 0
+    assert result["throughput"]["oracle_tokens_per_second"] > result["acceptance"]["oracle_tokens_per_second"]
+    assert result["acceptance"]["oracle_tau"] >= result["throughput"]["oracle_tau"]

@@ -246,3 +246,26 @@ def train_policy(
     policy.report = asdict(report)
     policy._hub_mixin_config["report"] = policy.report  # saved with the config, shown on the model card
     return policy, report
+
+
+def compare_objectives(records: Sequence[OracleRecord], candidates: Sequence[int], cost: CostModel) -> dict:
+    """How much choosing b by acceptance (argmax τ, the paper's labels) differs from choosing by throughput.
+
+    Returns, per objective, the per-prompt oracle histogram and the best fixed b, plus the modeled tokens/s
+    (from `cost`) of each objective's oracle and best fixed choice.
+    """
+    tau = torch.tensor([objective_values(r, candidates, "acceptance", None) for r in records])
+    speed = torch.tensor([objective_values(r, candidates, "throughput", cost) for r in records])
+    rows = torch.arange(len(records))
+    out = {}
+    for name, values in (("acceptance", tau), ("throughput", speed)):
+        oracle = values.argmax(dim=1)
+        fixed = int(values.mean(dim=0).argmax())
+        out[name] = {
+            "oracle_counts": {b: int((oracle == i).sum()) for i, b in enumerate(candidates)},
+            "best_fixed_b": candidates[fixed],
+            "oracle_tokens_per_second": float(speed[rows, oracle].mean()),
+            "best_fixed_tokens_per_second": float(speed[:, fixed].mean()),
+            "oracle_tau": float(tau[rows, oracle].mean()),
+        }
+    return out
