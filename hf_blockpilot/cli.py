@@ -211,6 +211,14 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     policy.save_pretrained(args.output)
     (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
+    if cost is not None:
+        from .training.policy_training import compare_objectives
+
+        comparison = compare_objectives(records, candidates, cost)
+        (Path(args.output) / "objectives.json").write_text(json.dumps(comparison, indent=2))
+        for name, row in comparison.items():
+            print(f"labels by {name}: best fixed b={row['best_fixed_b']}, oracle {row['oracle_tokens_per_second']:.1f} "
+                  f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), oracle b counts {row['oracle_counts']}")
     return 0
 
 

@@ -33,7 +33,7 @@ def test_collect_train_evaluate(tmp_path, capsys):
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(policy_dir)]) == 0
     policy = BlockPilotPolicy.from_pretrained(policy_dir)
     assert policy.candidates == [1, 3, 6] and policy.feature_layers == [1, 3]
-    assert (policy_dir / "training_report.json").exists()
+    assert (policy_dir / "training_report.json").exists() and (policy_dir / "objectives.json").exists()
     assert policy.report["validation_prompts"] > 0  # kept in config.json, rendered on the card
     assert "accuracy vs per-prompt oracle b" in (policy_dir / "README.md").read_text()
 
