@@ -137,7 +137,11 @@ def cmd_eval_drafter(args: argparse.Namespace) -> int:
             reports=[TauReport(**r) for r in reports],
             recipe=Path(args.card_recipe).read_text() if args.card_recipe else "",
             train_command=args.card_train_command or "",
-            eval_command="hf-blockpilot eval-drafter " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "hf-blockpilot eval-drafter",
+            eval_command=(
+                f"hf-blockpilot eval-drafter --datasets {' '.join(args.datasets)} --block-sizes "
+                f"{' '.join(map(str, args.block_sizes))} --max-new-tokens {args.max_new_tokens}"
+                + (f" --limit {args.limit}" if args.limit else "")
+            ),
         )
         card.save(args.card)
     return 0 if all(sum(r["mismatches"].values()) == 0 for r in reports) else 1

@@ -72,6 +72,7 @@ class BlockPilotPolicy(
         target_name: str = "",
         drafter_name: str = "",
         drafter_fingerprint: str = "",
+        training_loss: str = "",
         report: dict | None = None,
     ):
         super().__init__()
@@ -94,6 +95,7 @@ class BlockPilotPolicy(
             nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
         )
 
+        self.training_loss = training_loss
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
 
     def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
@@ -113,7 +115,7 @@ class BlockPilotPolicy(
             objective=self.objective,
             num_parameters=sum(p.numel() for p in self.parameters()),
             report=self.report,
-            loss=kwargs.get("loss"),
+            training_loss=self.training_loss,
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -212,6 +212,7 @@ def train_policy(
         target_name=getattr(target.config, "_name_or_path", ""),
         drafter_name=getattr(drafter.config, "_name_or_path", ""),
         drafter_fingerprint=drafter_fingerprint(drafter),
+        training_loss=config.loss,
     )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)

@@ -1,0 +1,83 @@
+"""The embedded default (SmolLM2-135M-Instruct + its trained drafter and BlockPilot policy), for real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_blockpilot.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_POLICY_DIR, resolve_drafter, resolve_policy
+from hf_blockpilot.evaluation import chat_inputs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    pytest.importorskip("gguf", reason="the embedded default target needs the `gguf` package")
+    from hf_blockpilot.defaults import load_default_target
+
+    try:
+        target, tokenizer = load_default_target()
+    except FileNotFoundError as err:
+        pytest.skip(f"embedded default target unavailable: {err}")
+    return target, tokenizer
+
+
+def test_embedded_assets_are_small_and_complete():
+    drafter_bytes = sum(p.stat().st_size for p in DEFAULT_DRAFTER_DIR.iterdir())
+    policy_bytes = sum(p.stat().st_size for p in DEFAULT_POLICY_DIR.iterdir())
+    assert drafter_bytes < 40e6 and policy_bytes < 5e6
+    config = json.loads((DEFAULT_DRAFTER_DIR / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dtype"] in ("bfloat16", "float16")
+    assert (DEFAULT_DRAFTER_DIR / "README.md").exists() and (DEFAULT_POLICY_DIR / "README.md").exists()
+
+
+def test_default_drafter_is_lossless_and_drafts_usefully(default_pair):
+    target, tokenizer = default_pair
+    drafter = resolve_drafter()
+    drafter.block_size = 8
+    ids = chat_inputs(tokenizer, "Write a Python function that reverses a list.", target.device)
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+    fast = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                           assistant_model=drafter)
+    assert torch.equal(plain, fast)
+    assert drafter.last_stats.tau > 1.2  # a trained drafter, not noise
+
+
+def test_policy_choices_vary_across_prompts(default_pair):
+    """A constant policy would be a defect: the embedded policy must pick different b for different prompts."""
+    target, tokenizer = default_pair
+    policy = resolve_policy("default")
+    assert policy is not None
+    prompts = [
+        "Write a Python function that reverses a list.",
+        "What is the capital of France?",
+        "Explain recursion to a child.",
+        "def fibonacci(n):",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "How do I sort a dictionary by value in Python?",
+        "Tell me a story about a dragon.",
+        "Translate 'good morning' into Spanish.",
+        "What does `git rebase` do?",
+        "Write a SQL query that counts rows per day.",
+        "Give me a recipe for pancakes.",
+    ]
+    chosen = []
+    for prompt in prompts:
+        ids = chat_inputs(tokenizer, prompt, target.device)
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=True, logits_to_keep=1)
+        chosen.append(policy.choose_block_size(out, ids)[0])
+    assert len(set(chosen)) > 1, f"the embedded policy chose {chosen[0]} for every prompt"
+
+
+def test_generate_command_uses_the_embedded_policy(default_pair, capsys):
+    from hf_blockpilot.cli import main
+
+    assert main(["generate", "Name a color.", "--max-new-tokens", "16", "--compare", "--no-stream", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical_to_plain"] is True
+    assert result["block_size"] in resolve_policy("default").candidates
