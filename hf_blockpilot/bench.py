@@ -123,14 +123,14 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 4))
     for run in runs:
         rows = [MethodResult(**r) for r in run["results"]]
-        fixed = [r for r in rows if r.method.startswith("b=")]
+        fixed = [r for r in rows if r.method == "plain" or r.method.startswith("b=")]
         for prompt_id in dict.fromkeys(r.prompt_id for r in rows):
             mine = [r for r in fixed if r.prompt_id == prompt_id]
             chosen = [r for r in rows if r.prompt_id == prompt_id and r.method == "policy"]
             if mine and chosen:
                 oracle = max(mine, key=lambda r: r.tokens_per_second)
                 ax.scatter(oracle.block_size, chosen[0].block_size, alpha=0.5, s=15)
-    ax.set_xlabel("oracle b (best measured tokens/s)")
+    ax.set_xlabel("oracle b (best measured tokens/s; 1 = plain)")
     ax.set_ylabel("b chosen by BlockPilot")
     fig.tight_layout()
     paths.append(output_dir / "block_sizes.png")

@@ -178,12 +178,13 @@ def decode_methods(
 def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, float]]:
     """Per method: pooled tokens/s, speedup over plain, mean τ, mismatches; plus the per-prompt `oracle`.
 
-    The oracle picks, per prompt, the fixed block size with the highest measured tokens/s.
+    The oracle picks, per prompt, the fastest measured of plain decoding (b = 1, speculation off) and each
+    fixed block size.
     """
     by_method: dict[str, list[MethodResult]] = {}
     for r in results:
         by_method.setdefault(r.method, []).append(r)
-    fixed = [m for m in by_method if m.startswith("b=")]
+    fixed = ["plain"] + [m for m in by_method if m.startswith("b=")]
     oracle = []
     for prompt_id in dict.fromkeys(r.prompt_id for r in results):
         rows = [r for r in results if r.prompt_id == prompt_id and r.method in fixed]

@@ -51,20 +51,9 @@ def test_policy_choices_vary_across_prompts(default_pair):
     target, tokenizer = default_pair
     policy = resolve_policy("default")
     assert policy is not None
-    prompts = [
-        "Write a Python function that reverses a list.",
-        "What is the capital of France?",
-        "Explain recursion to a child.",
-        "def fibonacci(n):",
-        "Write a haiku about the sea.",
-        "List three prime numbers.",
-        "How do I sort a dictionary by value in Python?",
-        "Tell me a story about a dragon.",
-        "Translate 'good morning' into Spanish.",
-        "What does `git rebase` do?",
-        "Write a SQL query that counts rows per day.",
-        "Give me a recipe for pancakes.",
-    ]
+    from hf_blockpilot.datasets import load_prompts
+
+    prompts = [r.prompt for r in load_prompts("humaneval", 3) + load_prompts("mtbench", 4) + load_prompts("gsm8k", 3)]
     chosen = []
     for prompt in prompts:
         ids = chat_inputs(tokenizer, prompt, target.device)
