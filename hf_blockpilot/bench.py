@@ -115,10 +115,7 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(methods))], methods, rotation=30)
     ax.set_ylabel("speedup over plain generate")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(output_dir / "speedup.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, output_dir / "speedup.png"))
 
     fig, ax = plt.subplots(figsize=(5, 4))
     for run in runs:
@@ -132,10 +129,7 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
                 ax.scatter(oracle.block_size, chosen[0].block_size, alpha=0.5, s=15)
     ax.set_xlabel("oracle b (best measured tokens/s; 1 = plain)")
     ax.set_ylabel("b chosen by BlockPilot")
-    fig.tight_layout()
-    paths.append(output_dir / "block_sizes.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, output_dir / "block_sizes.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in [m for m in methods if m not in ("plain", "oracle")]:
@@ -143,8 +137,14 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
         ax.hist(taus, bins=20, alpha=0.5, label=method)
     ax.set_xlabel("τ per prompt")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(output_dir / "tau.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, output_dir / "tau.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
