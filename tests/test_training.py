@@ -6,7 +6,7 @@ import torch
 from conftest import make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
-from hf_blockpilot.training.data import TrainingSequence, cache_hidden_states
+from hf_blockpilot.training.data import TrainingSequence, cache_hidden_states, load_hidden_states
 from hf_blockpilot.training.drafter import (
     DrafterTrainer,
     DrafterTrainingConfig,
@@ -63,9 +63,9 @@ def test_training_step_lowers_loss_and_resumes(tmp_path):
     )
     trainer = DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / "run", cfg)
     torch.manual_seed(0)
-    before = sum(trainer.sequence_loss(s, _hidden(hidden_dir, s))[0].item() for s in seqs)
+    before = sum(trainer.sequence_loss(s, load_hidden_states(hidden_dir, s))[0].item() for s in seqs)
     summary = trainer.train()
-    after = sum(trainer.sequence_loss(s, _hidden(hidden_dir, s))[0].item() for s in seqs)
+    after = sum(trainer.sequence_loss(s, load_hidden_states(hidden_dir, s))[0].item() for s in seqs)
     assert after < 0.5 * before, (before, after)
     assert summary["step"] == 150 and summary["tau_estimate"] > 1.0
 
@@ -78,11 +78,6 @@ def test_training_step_lowers_loss_and_resumes(tmp_path):
     reloaded = BlockDiffusionDrafter.from_pretrained(tmp_path / "run" / "checkpoint")
     assert reloaded.d2t.tolist() == vocab
 
-
-def _hidden(hidden_dir, seq):
-    from hf_blockpilot.training.data import load_hidden_states
-
-    return load_hidden_states(hidden_dir, seq)
 
 
 def test_init_from_target_reads_the_targets_own_past():

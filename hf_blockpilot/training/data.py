@@ -30,6 +30,12 @@ class TrainingSequence:
     response_start: int
 
 
+def generation_eos_ids(model: PreTrainedModel) -> list[int]:
+    """The model's end-of-sequence ids from its generation config, as a list (empty if none)."""
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+
+
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, max_length: int | None = None) -> list[int]:
     """Token ids of `prompt` as a single user turn with the generation prompt appended."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -81,8 +87,7 @@ def generate_responses(
     todo = [(p.id, chat_prompt_ids(tokenizer, p.prompt, max_prompt_tokens)) for p in prompts if p.id not in done]
     todo.sort(key=lambda item: len(item[1]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = target.generation_config.eos_token_id
-    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    eos_ids = set(generation_eos_ids(target))
     original_dtype = target.dtype
     model = target.to(dtype) if dtype is not None else target  # the caller's dtype is restored below
     written = 0

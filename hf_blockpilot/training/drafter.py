@@ -300,7 +300,7 @@ def train_drafter(
     Writes `output_dir/data` (responses), `output_dir/hidden` (target hidden states) and
     `output_dir/checkpoint` (the drafter in the z-lab format, plus optimizer state). Returns the drafter.
     """
-    from .data import cache_hidden_states, generate_responses, read_sequences
+    from .data import cache_hidden_states, generate_responses, generation_eos_ids, read_sequences
 
     config = config or DrafterTrainingConfig()
     output_dir = Path(output_dir)
@@ -312,8 +312,7 @@ def train_drafter(
         drafter = BlockDiffusionDrafter.from_pretrained(checkpoint)
         drafter.check_compatible(target)
     else:
-        eos = target.generation_config.eos_token_id
-        always = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        always = generation_eos_ids(target)
         num_embeddings = target.get_input_embeddings().weight.shape[0]
         vocab = build_draft_vocab(sequences, draft_vocab_size, always, num_embeddings) if draft_vocab_size else None
         drafter = BlockDiffusionDrafter.from_target(

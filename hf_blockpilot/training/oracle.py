@@ -24,6 +24,7 @@ from ..evaluation import chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..policy import prefill_features
 from ..stats import SpeculationStats
+from .data import generation_eos_ids
 
 
 def replay_block_size(
@@ -97,8 +98,7 @@ def oracle_record(
         hidden_states=tuple(h[:, :prompt_len] for h in out.hidden_states), logits=out.logits[:, prompt_len - 1 :]
     )
     features = prefill_features(prefill, list(feature_layers))[0]
-    eos = target.generation_config.eos_token_id
-    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    eos_ids = generation_eos_ids(target)
     tau, rounds = {}, {}
     for b in candidates:
         if b == 1:  # speculation off: one token per target forward
@@ -182,6 +182,7 @@ def check_replay_against_decoding(
     from ..evaluation import timed_generate
 
     saved = drafter.block_size
+    eos_ids = generation_eos_ids(target)
     equal, total, decode_seconds, replay_seconds = 0, 0, 0.0, 0.0
     try:
         for record in prompts:
@@ -199,8 +200,6 @@ def check_replay_against_decoding(
                 decode_seconds += seconds
                 real = drafter.last_stats
                 hidden = target(out, output_hidden_states=True).hidden_states
-                eos = target.generation_config.eos_token_id
-                eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
                 sim = replay_block_size(target, drafter, hidden, out, input_ids.shape[1], b, max_new_tokens, eos_ids)
                 equal += sim.accepted_per_round == real.accepted_per_round and sim.tau == real.tau
                 total += 1
