@@ -71,14 +71,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from .datasets import stdlib_training_prompts
+    from .datasets import chat_training_prompts, stdlib_training_prompts
     from .defaults import resolve_target
     from .training.drafter import DrafterTrainingConfig, train_drafter
 
     target, tokenizer = resolve_target(args.target, dtype="float32", device=args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed) if args.num_prompts else None
+    prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed) + chat_training_prompts(
+        args.chat_prompts, seed=args.seed
+    )
     config = DrafterTrainingConfig(
         block_size=args.block_size,
         max_steps=args.max_steps,
@@ -93,7 +95,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         target,
         tokenizer,
         args.output_dir,
-        prompts,
+        prompts or None,
         num_layers=args.num_layers,
         target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id,
@@ -299,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--output-dir", required=True, help="run directory: data, hidden-state cache, checkpoint")
-    p.add_argument("--num-prompts", type=int, default=4000, help="stdlib prompts answered by the target (0: reuse data)")
+    p.add_argument("--num-prompts", type=int, default=4000, help="stdlib (code) prompts answered by the target")
+    p.add_argument("--chat-prompts", type=int, default=2000, help="general chat prompts answered by the target")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)")

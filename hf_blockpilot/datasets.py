@@ -34,6 +34,7 @@ __all__ = [
     "EVAL_DATASETS",
     "PromptRecord",
     "load_prompts",
+    "chat_training_prompts",
     "stdlib_training_prompts",
 ]
 
@@ -375,4 +376,156 @@ def stdlib_training_prompts(n: int, seed: int = 0) -> list[PromptRecord]:
             add(f, task, make)
     if len(records) < n:
         raise ValueError(f"the standard library at {sysconfig.get_paths()['stdlib']} gives only {len(records)} prompts")
+    return records
+
+
+# --------------------------------------------------------------------------------------------------------------
+# General chat training prompts (writing, reasoning, maths, knowledge, advice, extraction)
+# --------------------------------------------------------------------------------------------------------------
+
+_TOPICS: tuple[str, ...] = tuple(
+    """
+    the ocean, volcanoes, rainforests, deserts, glaciers, the moon, black holes, the solar system, comets,
+    photosynthesis, the human heart, sleep, memory, vaccines, bacteria, DNA, evolution, honeybees, wolves, octopuses,
+    birds' migration, coral reefs, climate change, renewable energy, solar panels, wind turbines, electric cars,
+    batteries, recycling, plastic pollution, clean water, farming, coffee, tea, bread baking, chocolate, cheese,
+    spices, vegetarian cooking, street food, the Roman Empire, ancient Egypt, the Renaissance, the printing press,
+    the Industrial Revolution, the Silk Road, the Olympic Games, democracy, human rights, taxes, inflation,
+    supply and demand, small businesses, marketing, job interviews, remote work, teamwork, leadership,
+    public speaking, negotiation, time management, procrastination, habits, motivation, stress, meditation,
+    friendship, parenting, learning a language, reading, libraries, museums, poetry, jazz, classical music,
+    painting, photography, film making, video games, chess, football, running, swimming, cycling, yoga,
+    mountain hiking, camping, travel on a budget, trains, airports, city planning, bridges, skyscrapers,
+    the internet, smartphones, social media, privacy, passwords, cybersecurity, artificial intelligence, robots,
+    3D printing, space exploration, Mars, satellites, weather forecasting, earthquakes, rivers, forests,
+    gardening, houseplants, dogs, cats, horses, elephants, dinosaurs, fossils, the periodic table, magnets,
+    electricity, light, sound, gravity, friction, thermometers, clocks, calendars, maps, money, banks, savings,
+    insurance, elections, newspapers, libraries of the future, online courses, exams, homework, teachers,
+    scientists, inventors, hospitals, nutrition, exercise, running a marathon, volunteering, kindness, honesty,
+    """.replace("\n", " ").split(",")
+)
+_TOPICS = tuple(t.strip() for t in _TOPICS if t.strip())
+
+_PEOPLE: tuple[str, ...] = (
+    "a pirate captain", "a medieval knight", "a travel guide in Rome", "a friendly robot", "a detective",
+    "a chef in a busy restaurant", "an astronaut on the space station", "a museum curator", "a football coach",
+    "a wise old librarian", "a startup founder", "a park ranger", "a nervous student before an exam",
+)
+
+_CHAT_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "writing": (
+        "Write a short story about {topic}.",
+        "Write a poem about {topic}.",
+        "Write a persuasive paragraph on why people should care about {topic}.",
+        "Write a blog post introduction about {topic}.",
+        "Draft a polite email to a colleague proposing a workshop on {topic}.",
+        "Write a product description for a board game about {topic}.",
+        "Write a haiku about {topic} and explain the imagery.",
+        "Write a short speech for a school assembly about {topic}.",
+    ),
+    "roleplay": (
+        "Pretend you are {person}. Describe your typical day.",
+        "Act as {person} and give advice to a beginner about {topic}.",
+        "You are {person}. Explain {topic} to a group of children.",
+        "Imagine you are {person} meeting someone interested in {topic}. What do you say?",
+    ),
+    "knowledge": (
+        "Explain {topic} in simple terms.",
+        "What are three interesting facts about {topic}?",
+        "Give a brief history of {topic}.",
+        "What are the main advantages and disadvantages of {topic}?",
+        "How does {topic} affect everyday life?",
+        "Explain {topic} to a ten-year-old.",
+        "What are common misconceptions about {topic}?",
+        "Compare {topic} and {other}. How are they similar and how are they different?",
+        "Summarize the most important ideas about {topic} in five bullet points.",
+    ),
+    "advice": (
+        "Give me five practical tips about {topic}.",
+        "I want to learn more about {topic}. Where should I start?",
+        "Make a one-week plan for someone who wants to get better at {topic}.",
+        "What questions should I ask an expert on {topic}?",
+        "How can a small town make the most of {topic}?",
+    ),
+    "reasoning": (
+        "If {topic} disappeared tomorrow, what would change? Think step by step.",
+        "Argue for and against this claim: '{topic} matters more than {other}.'",
+        "What would a world without {topic} look like in fifty years?",
+        "A friend says {topic} is overrated. How would you respond, with reasons?",
+    ),
+}
+
+_MATH_TEMPLATES: tuple[str, ...] = (
+    "A shop sells notebooks for ${a} each. Maria buys {b} notebooks and pays with ${c}. How much change does she "
+    "get? Explain your steps.",
+    "A train travels at {a} km per hour for {b} hours. How far does it go?",
+    "There are {a} students in a class and {b} of them wear glasses. What fraction wear glasses?",
+    "Tom reads {a} pages a day. How many days does he need for a book of {c} pages?",
+    "A recipe needs {b} eggs for {a} cookies. How many eggs are needed for {c} cookies?",
+    "What is {a} times {b}, plus {c}? Show the working.",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "A jacket costs ${c} and is on sale for {b}0% off. What is the sale price?",
+)
+
+
+def _module_docstrings() -> list[tuple[str, str]]:
+    """``(module, docstring)`` pairs of the stdlib's prose module docstrings (at least two sentences long)."""
+    found = []
+    for module, path in _stdlib_files():
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        if doc and 200 <= len(doc) <= 1500 and doc.count(". ") >= 2 and ">>>" not in doc:
+            found.append((module, doc))
+    return found
+
+
+_EXTRACTION_LEADS: tuple[str, ...] = (
+    "Summarize the following text in two sentences.",
+    "List the key terms in this text and define each briefly.",
+    "Write three quiz questions, with answers, based on this text.",
+    "Rewrite this text for a beginner, in plain language.",
+    "Extract the main facts from this text as a bulleted list.",
+)
+
+
+def chat_training_prompts(n: int, seed: int = 0) -> list[PromptRecord]:
+    """Build ``n`` general chat prompts: writing, role-play, knowledge, advice, reasoning, arithmetic word
+    problems, and extraction/summary tasks over prose module docstrings of the local standard library.
+
+    Complements :func:`stdlib_training_prompts` (code-centred) so a drafter also sees the target answering
+    everyday requests; topics and templates are this package's own, none of the held-out evaluation sets is
+    used. Deterministic for a given ``seed``; a larger ``n`` extends a smaller one (same first records).
+    Ids look like ``"chat/00042/knowledge"``; ``dataset`` is ``"chat"``.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    docs = _module_docstrings() if n else []
+    kinds = [*_CHAT_TEMPLATES, "math", "extraction"]
+    weights = [len(t) for t in _CHAT_TEMPLATES.values()] + [4, 4 if docs else 0]
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(records) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"only {len(records)} distinct chat prompts could be built, {n} asked")
+        kind = rng.choices(kinds, weights)[0]
+        if kind == "math":
+            a, b = rng.randint(2, 40), rng.randint(2, 9)
+            prompt = rng.choice(_MATH_TEMPLATES).format(a=a, b=b, c=rng.randint(a * b, a * b * 3))
+        elif kind == "extraction":
+            _, doc = rng.choice(docs)
+            prompt = f"{rng.choice(_EXTRACTION_LEADS)}\n\n{doc}"
+        else:
+            topic, other = rng.sample(_TOPICS, 2)
+            person = rng.choice(_PEOPLE)
+            prompt = rng.choice(_CHAT_TEMPLATES[kind]).format(topic=topic, other=other, person=person)
+            prompt = prompt[0].upper() + prompt[1:]
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        records.append(PromptRecord(id=f"chat/{len(records):05d}/{kind}", dataset="chat", prompt=prompt))
     return records

