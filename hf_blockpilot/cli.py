@@ -89,6 +89,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         sequences_per_step=args.sequences_per_step,
         max_minutes=args.max_minutes,
         warmup_steps=args.warmup_steps,
+        validation_fraction=args.validation_fraction,
         seed=args.seed,
     )
     drafter = train_drafter(
@@ -315,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--sequences-per-step", type=int, default=4)
+    p.add_argument("--validation-fraction", type=float, default=0.02, help="sequences held out to track τ")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-to", default=None, help="also save the final drafter here")

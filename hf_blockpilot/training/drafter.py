@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -49,11 +50,19 @@ class DrafterTrainingConfig:
     save_every: int = 100
     log_every: int = 10
     max_minutes: float | None = None
+    validation_fraction: float = 0.02  # sequences never trained on (chosen by a hash of their id)
+    validation_max_sequences: int = 64  # at most this many of them are scored at each evaluation
+    eval_every: int = 500
 
     def loss_gamma(self) -> float:
         if self.gamma is not None:
             return self.gamma
         return max(1.0, 4.0 + (self.block_size - 8) * 3.0 / 8.0)
+
+
+def is_validation_sequence(seq_id: str, fraction: float) -> bool:
+    """Deterministic held-out split by a hash of the id: stable across runs, resumes and growing data."""
+    return zlib.crc32(seq_id.encode("utf-8")) % 10_000 < fraction * 10_000
 
 
 def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
@@ -132,7 +141,11 @@ class DrafterTrainer:
     ):
         self.config = config
         self.drafter = drafter.train()
-        self.sequences = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
+        usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
+        held_out = [is_validation_sequence(s.id, config.validation_fraction) for s in usable]
+        self.sequences = [s for s, v in zip(usable, held_out) if not v]
+        self.validation = sorted((s for s, v in zip(usable, held_out) if v), key=lambda s: s.id)
+        self.validation = self.validation[: config.validation_max_sequences]
         if not self.sequences:
             raise ValueError("no training sequence has a response of at least 2 tokens")
         self.hidden_cache_dir = Path(hidden_cache_dir)
@@ -164,13 +177,17 @@ class DrafterTrainer:
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     # ------------------------------------------------------------------------------------------ one step
-    def sequence_loss(self, seq: TrainingSequence, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Weighted block-diffusion loss of one sequence, plus per-slot accuracy counts."""
+    def sequence_loss(
+        self, seq: TrainingSequence, hidden: torch.Tensor, rng: random.Random | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        """Weighted block-diffusion loss of one sequence (anchors drawn from `rng`, default the trainer's),
+        plus per-slot accuracy counts."""
         b, cfg = self.config.block_size, self.config
+        rng = rng or self.rng
         ids = torch.tensor(seq.input_ids)
         length = ids.numel()
         candidates = range(seq.response_start - 1, length - 1)  # anchors whose slot 1 has a label
-        anchors = torch.tensor(sorted(self.rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates)))))
+        anchors = torch.tensor(sorted(rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates)))))
         offsets = torch.arange(b)
         positions = (anchors[:, None] + offsets[None, :]).reshape(1, -1)
         block_ids = torch.full_like(positions, self.drafter.mask_token_id)
@@ -199,12 +216,14 @@ class DrafterTrainer:
         return loss, {"correct": correct, "valid": valid}
 
     def train(self) -> dict:
-        """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps."""
+        """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps and scoring the
+        held-out sequences every `eval_every` steps; returns the last training and validation figures."""
         cfg = self.config
         start = time.monotonic()
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="drafter training", unit="step")
         window: list[dict] = []
         summary: dict = {}
+        evaluation: dict = {}
         while self.step < cfg.max_steps:
             batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
             self.optimizer.zero_grad(set_to_none=True)
@@ -223,15 +242,50 @@ class DrafterTrainer:
                 summary = {"step": self.step, "loss": total, "lr": self.scheduler.get_last_lr()[0], **accuracy_summary(window)}
                 window = []
                 bar.set_postfix(loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}")
-                with (self.output_dir / LOG_FILE).open("a") as f:
-                    f.write(json.dumps(summary) + "\n")
+                self._log(summary)
+            if self.step % cfg.eval_every == 0:
+                evaluation = self.evaluate()
+                self._log(evaluation)
             if self.step % cfg.save_every == 0:
                 self.save()
             if cfg.max_minutes is not None and time.monotonic() - start > 60 * cfg.max_minutes:
                 break
         bar.close()
+        if self.step % cfg.eval_every or not evaluation:
+            evaluation = self.evaluate()
+            self._log(evaluation)
         self.save()
-        return summary
+        return {**summary, **evaluation}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and τ estimate on the held-out sequences (same anchors every time, so values compare across
+        steps); empty when there are none. A validation τ that stops climbing says training has stopped paying."""
+        if not self.validation:
+            return {}
+        rng = random.Random(self.config.seed + 1)
+        self.drafter.eval()
+        losses, window = [], []
+        try:
+            for seq in self.validation:
+                loss, acc = self.sequence_loss(seq, load_hidden_states(self.hidden_cache_dir, seq), rng)
+                losses.append(loss.item())
+                window.append(acc)
+        finally:
+            self.drafter.train()
+        summary = accuracy_summary(window)
+        return {
+            "step": self.step,
+            "val_loss": sum(losses) / len(losses),
+            "val_tau_estimate": summary["tau_estimate"],
+            "val_slot_accuracy": summary["slot_accuracy"],
+            "val_sequences": len(self.validation),
+        }
+
+    def _log(self, record: dict) -> None:
+        if record:
+            with (self.output_dir / LOG_FILE).open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
     # ----------------------------------------------------------------------------------- checkpointing
     def save(self) -> None:
