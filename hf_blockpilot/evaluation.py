@@ -51,7 +51,6 @@ class TauReport:
     new_tokens: int = 0
 
 
-@torch.inference_mode()
 def measure_tau(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -65,30 +64,16 @@ def measure_tau(
     Each output is compared with plain greedy `generate`; mismatches are counted, never hidden.
     """
     report = TauReport(dataset=prompts[0].dataset if prompts else "", block_sizes=list(block_sizes))
-    totals = {b: [0, 0, 0.0, 0] for b in block_sizes}  # tokens, forwards, acceptance sum, rounds
-    original = drafter.block_size
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    try:
-        for record in tqdm(prompts, desc=f"tau on {report.dataset}", unit="prompt"):
-            input_ids = chat_inputs(tokenizer, record.prompt, target.device)
-            reference, _ = timed_generate(target, input_ids, **gen)
-            report.new_tokens += reference.shape[1] - input_ids.shape[1]
-            for b in block_sizes:
-                drafter.block_size = b
-                out, _ = timed_generate(target, input_ids, drafter, **gen)
-                stats = drafter.last_stats
-                report.mismatches[b] = report.mismatches.get(b, 0) + int(not torch.equal(out, reference))
-                totals[b][0] += stats.new_tokens
-                totals[b][1] += stats.target_forwards
-                rounds = [a for a, d in zip(stats.accepted_per_round, stats.drafted_per_round) if d > 0]
-                totals[b][2] += sum(a + 1 for a in rounds)
-                totals[b][3] += len(rounds)
-    finally:
-        drafter.block_size = original
+    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes, max_new_tokens=max_new_tokens)
     report.prompts = len(prompts)
-    for b, (tokens, forwards, acc, rounds) in totals.items():
-        report.tau[b] = tokens / max(forwards, 1)
-        report.acceptance_length[b] = acc / max(rounds, 1)
+    report.new_tokens = sum(r.new_tokens for r in results if r.method == "plain")
+    for b in block_sizes:
+        rows = [r for r in results if r.method == f"b={b}"]
+        report.tau[b] = sum(r.new_tokens for r in rows) / max(sum(r.target_forwards for r in rows), 1)
+        report.acceptance_length[b] = sum(r.committed_in_draft_rounds for r in rows) / max(
+            sum(r.draft_rounds for r in rows), 1
+        )
+        report.mismatches[b] = sum(1 for r in rows if r.identical_to_plain is False)
     return report
 
 
@@ -104,6 +89,9 @@ class MethodResult:
     tau: float
     identical_to_plain: bool | None
     policy_seconds: float = 0.0
+    target_forwards: int = 0  # prefill included; plain decoding: one per token
+    draft_rounds: int = 0  # verify rounds that carried drafts
+    committed_in_draft_rounds: int = 0  # tokens those rounds committed (accepted drafts + bonus)
 
     @property
     def tokens_per_second(self) -> float:
@@ -167,6 +155,9 @@ def decode_methods(
                         tau=stats.tau if stats else 1.0,
                         identical_to_plain=None if temperature > 0 else bool(torch.equal(out, plain)),
                         policy_seconds=stats.policy_seconds if stats else 0.0,
+                        target_forwards=stats.target_forwards if stats else out.shape[1] - input_ids.shape[1],
+                        draft_rounds=len(stats.committed_per_draft_round) if stats else 0,
+                        committed_in_draft_rounds=sum(stats.committed_per_draft_round) if stats else 0,
                     )
                 )
     finally:

@@ -38,10 +38,15 @@ class SpeculationStats:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def committed_per_draft_round(self) -> list[int]:
+        """Tokens committed (accepted drafts + bonus) by each verify round that carried drafts."""
+        return [a + 1 for a, d in zip(self.accepted_per_round, self.drafted_per_round) if d > 0]
+
+    @property
     def acceptance_length(self) -> float:
         """Mean tokens committed per verify round that carried drafts (accepted + bonus; DFlash's metric)."""
-        rounds = [a for a, d in zip(self.accepted_per_round, self.drafted_per_round) if d > 0]
-        return sum(a + 1 for a in rounds) / len(rounds) if rounds else 1.0
+        rounds = self.committed_per_draft_round
+        return sum(rounds) / len(rounds) if rounds else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

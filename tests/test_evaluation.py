@@ -1,0 +1,37 @@
+"""`measure_tau` pools the real decoding statistics of every prompt and block size."""
+
+from __future__ import annotations
+
+from conftest import ScriptedDrafter, char_tokenizer, make_target
+
+from hf_blockpilot.datasets import PromptRecord
+from hf_blockpilot.evaluation import chat_inputs, measure_tau
+
+
+def test_measure_tau_pools_the_generators_statistics():
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    tokenizer = char_tokenizer(48)
+    prompts = [PromptRecord(f"p{i}", "toy", "abcab") for i in range(2)]
+    input_ids = chat_inputs(tokenizer, prompts[0].prompt, "cpu")
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    # an always-right drafter, so that τ differs by block size (about b) and pooling mistakes show
+    drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, expected, error_rate=0.0)
+    report = measure_tau(target, tokenizer, drafter, prompts, block_sizes=(2, 4), max_new_tokens=12)
+
+    assert report.dataset == "toy" and report.prompts == 2 and report.new_tokens == 24
+    assert report.mismatches == {2: 0, 4: 0}
+    assert drafter.block_size == 4  # restored
+    for b in (2, 4):
+        tokens = forwards = committed = rounds = 0
+        drafter.block_size = b
+        for record in prompts:
+            target.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+            stats = drafter.last_stats
+            tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forwards
+            committed += sum(stats.committed_per_draft_round)
+            rounds += len(stats.committed_per_draft_round)
+        assert report.tau[b] == tokens / forwards
+        assert report.acceptance_length[b] == committed / rounds
+    assert 1.5 < report.tau[2] < 2.0 and report.tau[4] >= 3.0
