@@ -342,6 +342,23 @@ def test_reduced_vocab_round_trip_keeps_d2t(tmp_path, target):
     assert "d2t" not in _saved(tmp_path / "full")[1]
 
 
+def test_reduced_head_slice_is_reused_until_the_head_or_map_changes(target):
+    target = copy.deepcopy(target)  # the head is modified below; the fixture is shared
+    drafter = make_drafter(target, seed=4, block_size=6, draft_vocab=list(range(0, VOCAB, 3)))
+    head = target.get_output_embeddings()
+    weight, _ = drafter.draft_head(head)
+    assert torch.equal(weight, head.weight[drafter.d2t])
+    assert drafter.draft_head(head)[0] is weight  # no new copy per request
+    with torch.no_grad():
+        head.weight[0].add_(1.0)  # an in-place update (e.g. fine-tuning) invalidates it
+        drafter.d2t[0] = 1
+    updated, _ = drafter.draft_head(head)
+    assert updated is not weight and torch.equal(updated, head.weight[drafter.d2t])
+    with torch.inference_mode():  # a slice made under inference mode is never handed to autograd code
+        assert drafter.draft_head(head)[0] is not updated
+    assert drafter.draft_head(head)[0] is not updated and not drafter.draft_head(head)[0].is_inference()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_loading_a_target_checkpoint_as_drafter_fails_clearly(tmp_path, family):
     make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN).save_pretrained(tmp_path / family)
