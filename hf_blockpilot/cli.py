@@ -160,19 +160,20 @@ def _shard(args: argparse.Namespace) -> tuple[int, int]:
 def cmd_collect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .datasets import load_prompts, stdlib_training_prompts
+    from .datasets import chat_training_prompts, load_prompts, stdlib_training_prompts
+    from .training.data import unseen_prompts
     from .training.oracle import collect_oracle_labels
     from .training.policy_training import measure_cost_model
 
     target, tokenizer, drafter = _load(args)
-    if args.dataset == "stdlib":
-        excluded = set()
-        if args.exclude_responses:  # e.g. the drafter's training data: its τ there would be inflated
-            excluded = {json.loads(line)["id"] for line in Path(args.exclude_responses).open()}
-        pool = stdlib_training_prompts(min(args.num_prompts + len(excluded), 12000), seed=args.seed)
-        prompts = [p for p in pool if p.id not in excluded][: args.num_prompts]
-    else:
-        prompts = load_prompts(args.dataset, args.num_prompts)
+    prompts = []
+    for name in args.dataset:  # --num-prompts of each
+        if name in ("stdlib", "chat"):  # fresh prompts: a drafter's τ on its own training data is inflated
+            make = stdlib_training_prompts if name == "stdlib" else chat_training_prompts
+            pool = make(max(args.num_prompts, 12_000) if args.exclude_responses else args.num_prompts, seed=args.seed)
+            prompts += unseen_prompts(pool, tokenizer, args.exclude_responses, args.num_prompts)
+        else:
+            prompts += load_prompts(name, args.num_prompts)
     shard, num_shards = _shard(args)
     cost_path = Path(args.output_dir) / "cost_model.json"
     if shard == 0 and args.cost_model and not cost_path.exists():
@@ -339,9 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collect", help="oracle block-size labels by drafter replay (resumable, shardable)")
     _add_model_args(p)
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--dataset", default="stdlib", help="stdlib (training prompts) or an evaluation set name")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--exclude-responses", default=None, help="a responses.jsonl whose prompt ids to leave out")
+    p.add_argument("--dataset", nargs="+", default=["stdlib"],
+                   help="stdlib / chat (training-prompt generators) and/or evaluation set names")
+    p.add_argument("--num-prompts", type=int, default=200, help="prompts per dataset")
+    p.add_argument("--exclude-responses", default=None,
+                   help="a drafter's responses.jsonl: its prompts are left out of stdlib/chat")
     p.add_argument("--candidates", type=int, nargs="+", default=[1, 4, 8, 12, 16, 20])
     p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -5,10 +5,17 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import make_target
+from conftest import char_tokenizer, make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
-from hf_blockpilot.training.data import TrainingSequence, cache_hidden_states, load_hidden_states
+from hf_blockpilot.datasets import PromptRecord
+from hf_blockpilot.training.data import (
+    TrainingSequence,
+    cache_hidden_states,
+    chat_prompt_ids,
+    load_hidden_states,
+    unseen_prompts,
+)
 from hf_blockpilot.training.drafter import (
     DrafterTrainer,
     DrafterTrainingConfig,
@@ -142,3 +149,16 @@ def test_generate_responses_resumes_and_restores_the_dtype(tmp_path):
         response = seq.input_ids[seq.response_start :]
         assert 1 <= len(response) <= 6
         assert 5 not in response[:-1]  # cut right after the first EOS
+
+
+def test_unseen_prompts_leave_out_training_prompts_by_id_and_by_tokens(tmp_path):
+    tokenizer = char_tokenizer(48)
+    prompts = [PromptRecord(f"x/{i}", "x", text) for i, text in enumerate(["abc", "def", "ghi", "jkl", "mno"])]
+    responses = tmp_path / "responses.jsonl"
+    rows = [
+        {"id": "x/0", "prompt_ids": [9], "response_ids": [1]},  # same id
+        {"id": "other-seed/7", "prompt_ids": chat_prompt_ids(tokenizer, "ghi"), "response_ids": [1]},  # same text
+    ]
+    responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p.id for p in unseen_prompts(prompts, tokenizer, responses, limit=2)] == ["x/1", "x/3"]
+    assert [p.id for p in unseen_prompts(prompts, tokenizer, None, limit=10)] == [p.id for p in prompts]

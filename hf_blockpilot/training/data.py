@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..datasets import PromptRecord
 
 RESPONSES_FILE = "responses.jsonl"
+MAX_PROMPT_TOKENS = 384  # longer prompts keep their last tokens
 
 
 @dataclass
@@ -41,6 +42,33 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, max_length:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[-max_length:] if max_length else ids
+
+
+def unseen_prompts(
+    prompts: Iterable[PromptRecord],
+    tokenizer: PreTrainedTokenizerBase,
+    responses: str | Path | None,
+    limit: int,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+) -> list[PromptRecord]:
+    """The first `limit` of `prompts` that a drafter's training data (`responses`, a `responses.jsonl`) never
+    contained, matched by id and by chat-templated token ids (so other seeds' look-alike prompts are caught)."""
+    ids: set[str] = set()
+    token_rows: set[tuple[int, ...]] = set()
+    if responses is not None:
+        with Path(responses).open() as f:
+            for line in f:
+                row = json.loads(line)
+                ids.add(row["id"])
+                token_rows.add(tuple(row["prompt_ids"]))
+    out = []
+    for record in prompts:
+        if len(out) >= limit:
+            break
+        if record.id in ids or tuple(chat_prompt_ids(tokenizer, record.prompt, max_prompt_tokens)) in token_rows:
+            continue
+        out.append(record)
+    return out
 
 
 def read_sequences(data_dir: str | Path) -> list[TrainingSequence]:
@@ -71,7 +99,7 @@ def generate_responses(
     data_dir: str | Path,
     batch_size: int = 64,
     max_new_tokens: int = 192,
-    max_prompt_tokens: int = 384,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     dtype: torch.dtype | None = torch.bfloat16,
 ) -> int:
     """Answer `prompts` with the target (greedy, batched) and append them to `data_dir/responses.jsonl`.
