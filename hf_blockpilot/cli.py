@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -103,6 +104,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size or None,
         max_new_tokens=args.max_new_tokens,
         config=config,
+        refresh_draft_vocab=args.refresh_draft_vocab,
     )
     if args.save_to:
         drafter.save_pretrained(args.save_to)
@@ -312,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
+    p.add_argument("--refresh-draft-vocab", action="store_true",
+                   help="when resuming, rebuild the reduced vocabulary from the current data (e.g. after adding chat prompts)")
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -403,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    package_logger = logging.getLogger("hf_blockpilot")
+    if not package_logger.handlers:  # the library's own messages (not Transformers') on stderr
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)
     return args.func(args)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import char_tokenizer, make_target
 
@@ -162,3 +163,34 @@ def test_unseen_prompts_leave_out_training_prompts_by_id_and_by_tokens(tmp_path)
     responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [p.id for p in unseen_prompts(prompts, tokenizer, responses, limit=2)] == ["x/1", "x/3"]
     assert [p.id for p in unseen_prompts(prompts, tokenizer, None, limit=10)] == [p.id for p in prompts]
+
+
+def test_refreshed_draft_vocab_keeps_weights_and_covers_new_data(tmp_path, caplog):
+    """Data of a new kind after a run: the vocabulary is rebuilt on resume, trained weights are kept."""
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    low = [TrainingSequence(f"low/{i}", [3 + (i + t) % 10 for t in range(30)], 4) for i in range(4)]
+    high = [TrainingSequence(f"high/{i}", [30 + (i + t) % 10 for t in range(30)], 4) for i in range(4)]
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4,
+                                                draft_vocab=build_draft_vocab(low, size=20, vocab_size=48))
+    hidden_dir = cache_hidden_states(target, low + high, drafter.target_layer_ids, tmp_path / "hidden")
+    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=4, sequences_per_step=2, max_steps=5,
+                                warmup_steps=1, bf16=False, validation_fraction=0.0)
+    trainer = DrafterTrainer(drafter, target, low + high, hidden_dir, tmp_path / "run", cfg)
+    assert trainer.vocab_coverage() < 0.6  # the "high" tokens cannot be drafted
+    trainer.train()
+    weights = {k: v.clone() for k, v in drafter.state_dict().items() if k != "d2t"}
+
+    resumed = BlockDiffusionDrafter.from_pretrained(tmp_path / "run" / "checkpoint")
+    trainer = DrafterTrainer(resumed, target, low + high, hidden_dir, tmp_path / "run", cfg)
+    new_vocab = build_draft_vocab(low + high, size=20, vocab_size=48)
+    trainer.set_draft_vocab(new_vocab)
+    assert resumed.d2t.tolist() == new_vocab and trainer.vocab_coverage() > 0.99
+    for name, value in weights.items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+    head = target.get_output_embeddings().weight
+    assert torch.equal(trainer.head_weight, head[torch.tensor(new_vocab)])
+    assert trainer.target_to_draft[new_vocab[5]] == 5
+    loss, _ = trainer.sequence_loss(high[0], load_hidden_states(hidden_dir, high[0]))
+    assert torch.isfinite(loss)  # labels of the new kind are now in the vocabulary
+    with pytest.raises(ValueError, match="20 ids"):
+        trainer.set_draft_vocab(new_vocab[:8])

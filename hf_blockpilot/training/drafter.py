@@ -9,6 +9,7 @@ weighted by exp(-(k-1)/gamma). The target's embedding and LM head are frozen and
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -25,6 +26,8 @@ from transformers import PreTrainedModel
 
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .data import TrainingSequence, load_hidden_states
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
@@ -151,15 +154,8 @@ class DrafterTrainer:
         self.hidden_cache_dir = Path(hidden_cache_dir)
         self.output_dir = Path(output_dir)
         self.embed = target.get_input_embeddings()
-        weight, bias = drafter.draft_head(target.get_output_embeddings())
-        self.head_weight = weight.detach()
-        self.head_bias = None if bias is None else bias.detach()
-        vocab = self.embed.weight.shape[0]
-        self.target_to_draft = torch.full((vocab,), -100, dtype=torch.long)
-        if drafter.d2t is None:
-            self.target_to_draft = torch.arange(vocab)
-        else:
-            self.target_to_draft[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
+        self.lm_head = target.get_output_embeddings()
+        self._bind_draft_vocab()
         self.weights = loss_weights(config.block_size, config.loss_gamma())
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -175,6 +171,38 @@ class DrafterTrainer:
             return (step + 1) / cfg.warmup_steps
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def _bind_draft_vocab(self) -> None:
+        """LM-head rows and the target -> draft id map for the drafter's current `d2t`."""
+        weight, bias = self.drafter.draft_head(self.lm_head)
+        self.head_weight = weight.detach()
+        self.head_bias = None if bias is None else bias.detach()
+        vocab = self.embed.weight.shape[0]
+        if self.drafter.d2t is None:
+            self.target_to_draft = torch.arange(vocab)
+        else:
+            self.target_to_draft = torch.full((vocab,), -100, dtype=torch.long)
+            self.target_to_draft[self.drafter.d2t.cpu()] = torch.arange(self.drafter.d2t.numel())
+
+    def set_draft_vocab(self, vocab: Sequence[int]) -> None:
+        """Point the drafter at another draft vocabulary of the same size, e.g. rebuilt after data was added.
+
+        No trainable weight depends on it (the head rows are the frozen target LM head's), so training goes on.
+        """
+        d2t = self.drafter.d2t
+        if d2t is None or len(set(vocab)) != d2t.numel():
+            raise ValueError(
+                f"the drafter's draft vocabulary has {None if d2t is None else d2t.numel()} ids; "
+                f"got {len(set(vocab))} distinct ids"
+            )
+        with torch.no_grad():
+            d2t.copy_(torch.tensor(sorted(set(vocab)), dtype=d2t.dtype))
+        self._bind_draft_vocab()
+
+    def vocab_coverage(self) -> float:
+        """Share of the training response tokens the draft vocabulary can propose (1.0 for the full one)."""
+        tokens = torch.tensor([t for s in self.sequences for t in s.input_ids[s.response_start :]])
+        return (self.target_to_draft[tokens] >= 0).float().mean().item() if tokens.numel() else 1.0
 
     # ------------------------------------------------------------------------------------------ one step
     def sequence_loss(
@@ -324,6 +352,7 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.rng.setstate(state["rng"])
         self.step = state["step"]
+        self._bind_draft_vocab()
 
 
 def accuracy_summary(window: list[dict]) -> dict:
@@ -348,11 +377,14 @@ def train_drafter(
     generation_batch_size: int = 64,
     max_new_tokens: int = 192,
     config: DrafterTrainingConfig | None = None,
+    refresh_draft_vocab: bool = False,
 ) -> BlockDiffusionDrafter:
     """The whole recipe, each stage resumable: target responses -> hidden-state cache -> training.
 
     Writes `output_dir/data` (responses), `output_dir/hidden` (target hidden states) and
     `output_dir/checkpoint` (the drafter in the z-lab format, plus optimizer state). Returns the drafter.
+    `refresh_draft_vocab` rebuilds a resumed drafter's reduced vocabulary from the current data (after adding
+    prompts of another kind); a coverage below 95% of the response tokens is warned about.
     """
     from .data import cache_hidden_states, generate_responses, generation_eos_ids, read_sequences
 
@@ -379,5 +411,18 @@ def train_drafter(
         )
         init_drafter_from_target(drafter, target)
     hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
-    DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config).train()
+    trainer = DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config)
+    if refresh_draft_vocab and drafter.d2t is not None:
+        always = generation_eos_ids(target)
+        num_embeddings = target.get_input_embeddings().weight.shape[0]
+        trainer.set_draft_vocab(build_draft_vocab(sequences, drafter.d2t.numel(), always, num_embeddings))
+    coverage = trainer.vocab_coverage()
+    logger.info("draft vocabulary covers %.1f%% of the training response tokens", 100 * coverage)
+    if coverage < 0.95:
+        logger.warning(
+            "the draft vocabulary covers only %.1f%% of the training response tokens: tokens outside it can never "
+            "be drafted. Rebuild it with refresh_draft_vocab=True (`--refresh-draft-vocab`) or raise its size.",
+            100 * coverage,
+        )
+    trainer.train()
     return drafter.eval()
