@@ -159,6 +159,9 @@ def _shard(args: argparse.Namespace) -> tuple[int, int]:
     return int(os.environ.get("RANK", args.shard)), int(os.environ.get("WORLD_SIZE", args.num_shards))
 
 
+_FRESH_PROMPT_POOL = 12_000  # candidates drawn per generator before a drafter's training prompts are left out
+
+
 def cmd_collect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -172,7 +175,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     for name in args.dataset:  # --num-prompts of each
         if name in ("stdlib", "chat"):  # fresh prompts: a drafter's τ on its own training data is inflated
             make = stdlib_training_prompts if name == "stdlib" else chat_training_prompts
-            pool = make(max(args.num_prompts, 12_000) if args.exclude_responses else args.num_prompts, seed=args.seed)
+            pool = make(max(args.num_prompts, _FRESH_PROMPT_POOL) if args.exclude_responses else args.num_prompts,
+                        seed=args.seed)
             prompts += unseen_prompts(pool, tokenizer, args.exclude_responses, args.num_prompts)
         else:
             prompts += load_prompts(name, args.num_prompts)

@@ -64,7 +64,8 @@ def test_train_drafter_recipe_end_to_end(tmp_path):
     saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
     assert saved["architectures"] == ["DFlashDraftModel"] and saved["block_size"] == 4
     cfg.max_steps = 9
-    again = train_drafter(target, None, tmp_path / "run", config=cfg)
+    again = train_drafter(target, None, tmp_path / "run", config=cfg, refresh_draft_vocab=True)
+    assert again.d2t.tolist() == drafter.d2t.tolist()  # rebuilt from the same data: the same vocabulary
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == [3, 6, 9]
     prompt = torch.tensor([[5, 6, 7]])

@@ -190,13 +190,14 @@ class DrafterTrainer:
         No trainable weight depends on it (the head rows are the frozen target LM head's), so training goes on.
         """
         d2t = self.drafter.d2t
-        if d2t is None or len(set(vocab)) != d2t.numel():
+        ids = sorted(set(vocab))
+        if d2t is None or len(ids) != d2t.numel():
             raise ValueError(
                 f"the drafter's draft vocabulary has {None if d2t is None else d2t.numel()} ids; "
-                f"got {len(set(vocab))} distinct ids"
+                f"got {len(ids)} distinct ids"
             )
         with torch.no_grad():
-            d2t.copy_(torch.tensor(sorted(set(vocab)), dtype=d2t.dtype))
+            d2t.copy_(torch.tensor(ids, dtype=d2t.dtype))
         self._bind_draft_vocab()
 
     def vocab_coverage(self) -> float:
@@ -393,14 +394,17 @@ def train_drafter(
     if prompts is not None:
         generate_responses(target, tokenizer, prompts, output_dir / "data", generation_batch_size, max_new_tokens)
     sequences = read_sequences(output_dir / "data")
+    num_embeddings = target.get_input_embeddings().weight.shape[0]
+
+    def vocab_from_data(size: int) -> list[int]:
+        return build_draft_vocab(sequences, size, generation_eos_ids(target), num_embeddings)
+
     checkpoint = output_dir / CHECKPOINT_DIR
     if (checkpoint / STATE_FILE).exists():
         drafter = BlockDiffusionDrafter.from_pretrained(checkpoint)
         drafter.check_compatible(target)
     else:
-        always = generation_eos_ids(target)
-        num_embeddings = target.get_input_embeddings().weight.shape[0]
-        vocab = build_draft_vocab(sequences, draft_vocab_size, always, num_embeddings) if draft_vocab_size else None
+        vocab = vocab_from_data(draft_vocab_size) if draft_vocab_size else None
         drafter = BlockDiffusionDrafter.from_target(
             target,
             num_hidden_layers=num_layers,
@@ -413,9 +417,7 @@ def train_drafter(
     hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
     trainer = DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config)
     if refresh_draft_vocab and drafter.d2t is not None:
-        always = generation_eos_ids(target)
-        num_embeddings = target.get_input_embeddings().weight.shape[0]
-        trainer.set_draft_vocab(build_draft_vocab(sequences, drafter.d2t.numel(), always, num_embeddings))
+        trainer.set_draft_vocab(vocab_from_data(drafter.d2t.numel()))
     coverage = trainer.vocab_coverage()
     logger.info("draft vocabulary covers %.1f%% of the training response tokens", 100 * coverage)
     if coverage < 0.95:
