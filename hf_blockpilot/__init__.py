@@ -12,6 +12,7 @@ Importing the package registers the drafter with `AutoConfig`/`AutoModel` and ro
 from transformers import AutoConfig, AutoModel
 
 from .candidate_generator import BlockDiffusionCandidateGenerator, install_generate_routing
+from .cpu_kernels import skinny_linear, skinny_linears, use_skinny_linears
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
@@ -30,4 +31,7 @@ __all__ = [
     "BlockPilotPolicy",
     "SpeculationStats",
     "build_target_layer_ids",
+    "skinny_linear",
+    "skinny_linears",
+    "use_skinny_linears",
 ]

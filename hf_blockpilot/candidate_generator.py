@@ -21,6 +21,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .cpu_kernels import skinny_linear
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .stats import SpeculationStats
 
@@ -169,7 +170,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             cache=self.cache,
         ).last_hidden_state[:, 1:]
         self.stats.drafter_forwards += 1
-        logits = torch.nn.functional.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+        logits = skinny_linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
         logits = logits.float()
         if self.drafter.d2t is None:
             return logits

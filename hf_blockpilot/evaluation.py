@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .cpu_kernels import skinny_linears
 from .datasets import PromptRecord
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
@@ -28,11 +29,15 @@ def chat_inputs(tokenizer: PreTrainedTokenizerBase, prompt: str, device: torch.d
 def timed_generate(
     target: PreTrainedModel, input_ids: torch.Tensor, drafter: BlockDiffusionDrafter | None = None, **kwargs
 ) -> tuple[torch.Tensor, float]:
-    """`generate` with wall time (device synchronised); `drafter=None` runs plain decoding."""
+    """`generate` with wall time (device synchronised); `drafter=None` runs plain decoding.
+
+    Both run under `skinny_linears` (faster few-token forwards on CPU; one-token steps are unchanged).
+    """
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter, **kwargs)
+    with skinny_linears(target, *([drafter] if drafter is not None else [])):
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter, **kwargs)
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
     return out, time.perf_counter() - start

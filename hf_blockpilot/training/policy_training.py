@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from ..cpu_kernels import skinny_linear, skinny_linears
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
 from .oracle import OracleRecord
@@ -63,7 +64,17 @@ def measure_cost_model(
     context_tokens: int = 256,
     repeats: int = 5,
 ) -> CostModel:
-    """Time target and drafter forwards for each block size over a `context_tokens`-long cached context."""
+    """Time target and drafter forwards for each block size over a `context_tokens`-long cached context.
+
+    Timed as `generate` runs them in this package's tools: under `skinny_linears` (see `cpu_kernels`).
+    """
+    with skinny_linears(target, drafter):
+        return _measure_cost_model(target, drafter, block_sizes, context_tokens, repeats)
+
+
+def _measure_cost_model(
+    target: PreTrainedModel, drafter: BlockDiffusionDrafter, block_sizes: Sequence[int], context_tokens: int, repeats: int
+) -> CostModel:
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
     context = torch.randint(0, vocab, (1, context_tokens), device=device)
@@ -100,7 +111,7 @@ def measure_cost_model(
                     context_position_ids=positions[:, :0],
                     cache=cache,
                 ).last_hidden_state
-                F.linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
+                skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
 
             drafter_ms[b] = _median_ms(draft, repeats, device)
     return CostModel(target_ms, drafter_ms, device=str(device), context_tokens=context_tokens)
