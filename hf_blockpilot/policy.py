@@ -32,7 +32,9 @@ def prefill_features(outputs: Any, feature_layers: list[int]) -> torch.Tensor:
 
     Per layer id i (`hidden_states[i + 1]`): the last prompt token's state and the prompt's mean state;
     then entropy, top-1 probability and top-2 margin of the last-token distribution, and log prompt length.
-    Runs on the outputs' device; no host synchronisation.
+    Runs on the outputs' device; no host synchronisation. With sampling, `generate`'s loop has already applied
+    its logits processors (temperature, top-k/top-p: -inf outside the kept tokens) to these logits in place;
+    excluded tokens count as probability 0, so the features stay finite.
     """
     parts = []
     for i in feature_layers:
@@ -43,7 +45,8 @@ def prefill_features(outputs: Any, feature_layers: list[int]) -> torch.Tensor:
     probs = log_probs.exp()
     top2 = probs.topk(2).values
     length = torch.tensor(math.log(outputs.hidden_states[0].shape[1]), device=logits.device)
-    stats = torch.stack([-(probs * log_probs).sum(), top2[0], top2[0] - top2[1], length])
+    entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum()  # 0 * log 0 = 0
+    stats = torch.stack([entropy, top2[0], top2[0] - top2[1], length])
     return torch.cat(parts + [stats]).unsqueeze(0)
 
 
@@ -127,6 +130,11 @@ class BlockPilotPolicy(
         """The block size for this request and the policy's probability for each candidate."""
         features = prefill_features(prefill_outputs, self.feature_layers).to(self.input_norm.weight.device)
         probs = torch.softmax(self(features)[0].float(), dim=-1).cpu()  # one small sync per request
+        if not torch.isfinite(probs).all():
+            raise ValueError(
+                "the BlockPilot policy got non-finite prefill features (NaN/inf in the target's hidden states or "
+                "logits); check the target's dtype and inputs, or detach the policy with drafter.set_policy(None)."
+            )
         chosen = self.candidates[int(probs.argmax())]
         return chosen, {b: float(p) for b, p in zip(self.candidates, probs)}
 

@@ -198,3 +198,23 @@ def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target)
     assert "# BlockPilot policy for tiny-qwen3" in card
     assert "1, 3, 6" in card and "| accuracy vs per-prompt oracle b | 0.750 |" in card
     assert "| best fixed b | 6 (3.100) |" in card
+
+
+def test_sampling_with_top_k_keeps_the_policy_features_finite(target):
+    """At T>0 `generate` writes its processed logits (-inf outside top-k) into the prefill outputs the policy
+    reads; the choice must still come from finite probabilities (it once silently fell back to b = 1)."""
+    drafter = make_drafter(target, block_size=4)
+    drafter.set_policy(rig_choice(make_policy(target, drafter), index=2))
+    torch.manual_seed(0)
+    target.generate(_prompt(4), max_new_tokens=12, do_sample=True, top_k=5, pad_token_id=0, assistant_model=drafter)
+    probs = drafter.last_stats.policy_probs
+    assert all(torch.isfinite(torch.tensor(p)) for p in probs.values()), probs
+    assert drafter.last_stats.block_size == 6 and max(probs, key=probs.get) == 6
+
+
+def test_non_finite_features_are_an_error_not_a_silent_choice(target):
+    policy = make_policy(target)
+    out = target(_prompt(5), output_hidden_states=True)
+    out.hidden_states[2][0, -1, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite prefill features"):
+        policy.choose_block_size(out)
