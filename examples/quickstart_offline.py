@@ -5,18 +5,20 @@
 
 import torch
 
-import hf_blockpilot  # noqa: F401  (routes generate(assistant_model=<drafter>) to block-diffusion drafting)
-from hf_blockpilot.defaults import load_default_target, resolve_drafter
+import hf_blockpilot  # routes generate(assistant_model=<drafter>) to block-diffusion drafting
+from hf_blockpilot.defaults import load_default_target, resolve_drafter, resolve_policy
 
 target, tokenizer = load_default_target()
-drafter = resolve_drafter()  # the embedded drafter (attach a policy with drafter.set_policy(...))
+drafter = resolve_drafter()  # the embedded drafter
+drafter.set_policy(resolve_policy("default"))  # the embedded BlockPilot policy picks the block size per request
 
 messages = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
 
-plain = target.generate(**inputs, max_new_tokens=96, do_sample=False)
-fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False)
+with hf_blockpilot.skinny_linears(target, drafter):  # fast few-token verify forwards on CPU (README)
+    plain = target.generate(**inputs, max_new_tokens=96, do_sample=False)
+    fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False)
 assert torch.equal(plain, fast), "greedy block-diffusion decoding must equal plain generate"
 print(tokenizer.decode(fast[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 stats = drafter.last_stats
