@@ -72,42 +72,53 @@ def compare_stream(
     """Yield (plain text, BlockPilot HTML, stats markdown, policy probabilities) as both decodes stream.
 
     Plain `generate` runs first, then BlockPilot, one after the other, so neither slows the other's timing.
+    Both run under `skinny_linears`, as in `timed_generate`.
     """
-    with skinny_linears(target, drafter):  # as in timed_generate: both sides get the CPU few-row kernels
-        input_ids = chat_inputs(tokenizer, prompt, target.device)
-        gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
-        plain_text, blocks, stats_md, probs = "", "", "", {}
-        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        start = time.perf_counter()
-        plain_out: dict = {}
-        thread = _in_thread(target.generate, plain_out, inputs=input_ids, streamer=streamer, **gen)
-        for piece in streamer:
-            plain_text += piece
-            yield plain_text, blocks, "plain generate running…", probs
-        thread.join()
-        plain_seconds = time.perf_counter() - start
+    with skinny_linears(target, drafter):
+        yield from _stream_plain_then_blockpilot(target, tokenizer, drafter, prompt, max_new_tokens)
 
-        rounds_streamer = RoundStreamer()
-        rounds: list[list[int]] = []
-        start = time.perf_counter()
-        thread = _in_thread(
-            target.generate, {}, inputs=input_ids, streamer=rounds_streamer, assistant_model=drafter, **gen
-        )
-        while (tokens := rounds_streamer.rounds.get()) is not None:
-            rounds.append(tokens)
-            yield plain_text, rounds_html(tokenizer, rounds), "BlockPilot running…", probs
-        thread.join()
-        seconds = time.perf_counter() - start
-        stats = drafter.last_stats
-        plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
-        tps = stats.new_tokens / seconds
-        probs = {f"b={b}": p for b, p in (stats.policy_probs or {}).items()}
-        stats_md = (
-            f"**block size** {stats.block_size} · **τ** {stats.tau:.2f} · **rounds** {stats.target_forwards} · "
-            f"**tokens/s** {tps:.1f} (plain {plain_tps:.1f}) · **speedup** {tps / plain_tps:.2f}×"
-            + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else " · fixed block size")
-        )
-        yield plain_text, rounds_html(tokenizer, rounds), stats_md, probs
+
+def _stream_plain_then_blockpilot(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    prompt: str,
+    max_new_tokens: int,
+) -> Iterator[tuple[str, str, str, dict]]:
+    input_ids = chat_inputs(tokenizer, prompt, target.device)
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
+    plain_text, blocks, stats_md, probs = "", "", "", {}
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    plain_out: dict = {}
+    thread = _in_thread(target.generate, plain_out, inputs=input_ids, streamer=streamer, **gen)
+    for piece in streamer:
+        plain_text += piece
+        yield plain_text, blocks, "plain generate running…", probs
+    thread.join()
+    plain_seconds = time.perf_counter() - start
+
+    rounds_streamer = RoundStreamer()
+    rounds: list[list[int]] = []
+    start = time.perf_counter()
+    thread = _in_thread(
+        target.generate, {}, inputs=input_ids, streamer=rounds_streamer, assistant_model=drafter, **gen
+    )
+    while (tokens := rounds_streamer.rounds.get()) is not None:
+        rounds.append(tokens)
+        yield plain_text, rounds_html(tokenizer, rounds), "BlockPilot running…", probs
+    thread.join()
+    seconds = time.perf_counter() - start
+    stats = drafter.last_stats
+    plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
+    tps = stats.new_tokens / seconds
+    probs = {f"b={b}": p for b, p in (stats.policy_probs or {}).items()}
+    stats_md = (
+        f"**block size** {stats.block_size} · **τ** {stats.tau:.2f} · **rounds** {stats.target_forwards} · "
+        f"**tokens/s** {tps:.1f} (plain {plain_tps:.1f}) · **speedup** {tps / plain_tps:.2f}×"
+        + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else " · fixed block size")
+    )
+    yield plain_text, rounds_html(tokenizer, rounds), stats_md, probs
 
 
 def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: BlockDiffusionDrafter):
