@@ -32,6 +32,8 @@ def test_few_rows_take_the_transposed_product_and_others_keep_linear(monkeypatch
     assert calls == [(1, 1, 6), (1, 33, 6)]  # one row and more than max_rows: F.linear; 2..32: W @ x.T
     skinny_linear(torch.randn(1, 7, 6), weight, max_rows=4)
     assert calls[-1] == (1, 7, 6)
+    skinny_linear(torch.randn(1, 5, 6, dtype=torch.bfloat16), weight.bfloat16())  # bf16: the stock kernel is faster
+    assert calls[-1] == (1, 5, 6) and len(calls) == 4
 
 
 class _Net(nn.Module):
