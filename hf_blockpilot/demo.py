@@ -72,19 +72,7 @@ def compare_stream(
     """Yield (plain text, BlockPilot HTML, stats markdown, policy probabilities) as both decodes stream.
 
     Plain `generate` runs first, then BlockPilot, one after the other, so neither slows the other's timing.
-    Both run under `skinny_linears`, as in `timed_generate`.
     """
-    with skinny_linears(target, drafter):
-        yield from _stream_plain_then_blockpilot(target, tokenizer, drafter, prompt, max_new_tokens)
-
-
-def _stream_plain_then_blockpilot(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    drafter: BlockDiffusionDrafter,
-    prompt: str,
-    max_new_tokens: int,
-) -> Iterator[tuple[str, str, str, dict]]:
     input_ids = chat_inputs(tokenizer, prompt, target.device)
     gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
     plain_text, blocks, stats_md, probs = "", "", "", {}
@@ -126,7 +114,8 @@ def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draf
     import gradio as gr
 
     def run(prompt: str, max_new_tokens: int):
-        yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens))
+        with skinny_linears(target, drafter):  # both sides get the CPU few-row kernels, as in timed_generate
+            yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens))
 
     with gr.Blocks(title="hf-blockpilot") as demo:
         gr.Markdown(
