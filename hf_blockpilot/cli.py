@@ -72,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from .datasets import chat_training_prompts, stdlib_training_prompts
+    from .datasets import chat_training_prompts, read_prompt_file, stdlib_training_prompts
     from .defaults import resolve_target
     from .training.drafter import DrafterTrainingConfig, train_drafter
 
@@ -82,6 +82,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed) + chat_training_prompts(
         args.chat_prompts, seed=args.seed
     )
+    for path in args.prompts_file or []:
+        prompts += read_prompt_file(path)
     config = DrafterTrainingConfig(
         block_size=args.block_size,
         max_steps=args.max_steps,
@@ -102,9 +104,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id,
         draft_vocab_size=args.draft_vocab_size or None,
+        generation_batch_size=args.generation_batch_size,
         max_new_tokens=args.max_new_tokens,
         config=config,
         refresh_draft_vocab=args.refresh_draft_vocab,
+        cache_hidden_states_on_disk=not args.no_hidden_cache,
     )
     if args.save_to:
         drafter.save_pretrained(args.save_to)
@@ -311,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, help="run directory: data, hidden-state cache, checkpoint")
     p.add_argument("--num-prompts", type=int, default=4000, help="stdlib (code) prompts answered by the target")
     p.add_argument("--chat-prompts", type=int, default=2000, help="general chat prompts answered by the target")
+    p.add_argument("--prompts-file", nargs="+", default=None,
+                   help="more prompts for the target to answer: JSON lines with \"prompt\" and an optional unique \"id\"")
+    p.add_argument("--generation-batch-size", type=int, default=64, help="prompts answered per target generate call")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)")
@@ -324,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--anchors", type=int, default=32)
-    p.add_argument("--sequences-per-step", type=int, default=4)
+    p.add_argument("--sequences-per-step", type=int, default=4, help="sequences per optimizer step (one forward)")
+    p.add_argument("--no-hidden-cache", action="store_true",
+                   help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)")
     p.add_argument("--validation-fraction", type=float, default=0.02, help="sequences held out to track τ")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -150,6 +150,31 @@ def load_prompts(name: str, limit: int | None = None) -> list[PromptRecord]:
     return records if limit is None else records[:limit]
 
 
+def read_prompt_file(path: str | Path) -> list[PromptRecord]:
+    """Prompts from a JSON-lines file (``.jsonl`` or ``.jsonl.gz``): one object per line with a ``prompt``
+    string and an optional unique ``id`` (default ``"<file name>/<line number>"``); ``dataset`` is the file name.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line without a ``prompt`` string, or a repeated id (ids name cached training data).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    name = path.name.split(".")[0]
+    records: list[PromptRecord] = []
+    ids: set[str] = set()
+    for number, row in enumerate(_read_jsonl(path), start=1):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}: record {number} has no \"prompt\" string")
+        record = PromptRecord(id=str(row.get("id", f"{name}/{number}")), dataset=name, prompt=row["prompt"])
+        if record.id in ids:
+            raise ValueError(f"{path}: id {record.id!r} appears twice; ids must be unique")
+        ids.add(record.id)
+        records.append(record)
+    return records
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Training prompts from the CPython standard library
 # --------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_target
+from conftest import make_target, save_tiny_pair
 
 from hf_blockpilot import BlockDiffusionDrafter
 from hf_blockpilot.cli import main
@@ -71,3 +71,21 @@ def test_train_drafter_recipe_end_to_end(tmp_path):
     prompt = torch.tensor([[5, 6, 7]])
     expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=again), expected)
+
+
+def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(tmp_path):
+    """`train-drafter --prompts-file ... --no-hidden-cache`: the target answers the file's prompts, and
+    training reads hidden states straight from the target (the GPU recipe), leaving no cache on disk."""
+    target_dir, _ = save_tiny_pair(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"mine/{i}", "prompt": text}) + "\n"
+                               for i, text in enumerate(["abc", "hello", "Zebra"])))
+    run = tmp_path / "run"
+    code = main(["train-drafter", "--target", str(target_dir), "--output-dir", str(run), "--num-prompts", "0",
+                 "--chat-prompts", "0", "--prompts-file", str(prompts), "--max-new-tokens", "12",
+                 "--block-size", "4", "--draft-vocab-size", "0", "--max-steps", "4", "--warmup-steps", "1",
+                 "--anchors", "4", "--sequences-per-step", "3", "--validation-fraction", "0",
+                 "--no-hidden-cache", "--generation-batch-size", "2"])
+    assert code == 0
+    assert [seq.id for seq in read_sequences(run / "data")] == ["mine/0", "mine/1", "mine/2"]
+    assert (run / "checkpoint" / "model.safetensors").exists() and not (run / "hidden").exists()

@@ -102,3 +102,18 @@ def test_chat_prompts_exclude_mtbench() -> None:
     _require("mtbench")
     held_out = {record.prompt for record in load_prompts("mtbench")}
     assert not held_out & {record.prompt for record in chat_training_prompts(2000, seed=0)}
+
+
+def test_read_prompt_file(tmp_path) -> None:
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "Say hi."}\n\n{"id": "q/7", "prompt": "Add 2 and 3."}\n')
+    records = datasets.read_prompt_file(path)
+    assert records == [PromptRecord("mine/1", "mine", "Say hi."), PromptRecord("q/7", "mine", "Add 2 and 3.")]
+    path.write_text('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n')
+    with pytest.raises(ValueError, match="appears twice"):
+        datasets.read_prompt_file(path)
+    path.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match='no "prompt" string'):
+        datasets.read_prompt_file(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        datasets.read_prompt_file(tmp_path / "missing.jsonl")

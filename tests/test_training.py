@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -194,3 +195,47 @@ def test_refreshed_draft_vocab_keeps_weights_and_covers_new_data(tmp_path, caplo
     assert torch.isfinite(loss)  # labels of the new kind are now in the vocabulary
     with pytest.raises(ValueError, match="20 ids"):
         trainer.set_draft_vocab(new_vocab[:8])
+
+
+def test_batched_loss_pads_without_leaking_and_matches_per_sequence_losses(tmp_path):
+    """One forward over sequences of different lengths gives each sequence's blocks exactly what a
+    forward of that sequence alone gives: padding is never attended and padded anchor slots carry no loss."""
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    seqs = [
+        TrainingSequence("long", [3 + (7 * t) % 40 for t in range(36)], 5),
+        TrainingSequence("short", [4 + (3 * t) % 40 for t in range(12)], 6),  # 6 anchor candidates < 8 anchors
+    ]
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=2, block_size=4)
+    hidden_dir = cache_hidden_states(target, seqs, drafter.target_layer_ids, tmp_path / "hidden")
+    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=8, bf16=False, validation_fraction=0.0)
+    trainer = DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / "run", cfg)
+    hidden = trainer.hidden_states(seqs)
+    assert hidden.shape[:2] == (2, 36)
+    loss, acc = trainer.batch_loss(seqs, hidden, random.Random(3))
+    rng = random.Random(3)  # the same anchors, one sequence at a time
+    singles = [trainer.sequence_loss(s, load_hidden_states(hidden_dir, s), rng) for s in seqs]
+    assert acc["valid"].shape == (8 + 6, 3)  # the short sequence's two padding blocks are dropped
+    assert torch.equal(acc["correct"], torch.cat([a["correct"] for _, a in singles]))
+    weights = loss_weights(4, cfg.loss_gamma())
+    totals = [(a["valid"] * weights).sum() for _, a in singles]
+    expected = sum(single_loss * w for (single_loss, _), w in zip(singles, totals)) / sum(totals)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_live_hidden_states_match_the_disk_cache(tmp_path):
+    """Without a cache the trainer has the target compute the same states in each step, and trains on them."""
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    seqs = _periodic_sequences(48, count=4, length=30)
+    seqs[1].input_ids = seqs[1].input_ids[:17]
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    hidden_dir = cache_hidden_states(target, seqs, drafter.target_layer_ids, tmp_path / "hidden")
+    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=4, sequences_per_step=4, max_steps=3,
+                                warmup_steps=1, log_every=1, bf16=False, validation_fraction=0.0)
+    cached = DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / "cached", cfg)
+    live = DrafterTrainer(drafter, target, seqs, None, tmp_path / "live", cfg)
+    cached_states, live_states = cached.hidden_states(seqs), live.hidden_states(seqs)
+    for row, seq in enumerate(seqs):
+        n = len(seq.input_ids)
+        torch.testing.assert_close(live_states[row, :n], cached_states[row, :n], rtol=2e-2, atol=2e-2)
+        assert not cached_states[row, n:].any()  # the cache pads with zeros
+    assert live.train()["step"] == 3 and not (tmp_path / "live" / "hidden").exists()

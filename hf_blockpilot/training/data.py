@@ -151,6 +151,33 @@ def generate_responses(
 
 
 @torch.inference_mode()
+def target_hidden_states(
+    target: PreTrainedModel,
+    sequences: Sequence[TrainingSequence],
+    layer_ids: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The target's hidden states at `layer_ids`, concatenated: (len(sequences), longest, layers * hidden).
+
+    Id i is the output of target decoder layer i (`hidden_states[i + 1]`), as the drafter reads it at
+    inference. Sequences are right-padded (causal attention keeps real positions exact; padded positions hold
+    whatever the target computes there and must be masked by the caller). The forward runs under `dtype`
+    autocast and the result is returned in `dtype`, on the target's device.
+    """
+    width = max(len(seq.input_ids) for seq in sequences)
+    input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
+        attention_mask[row, : len(seq.input_ids)] = 1
+    device = target.device
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        out = target(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True
+        )
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(dtype)
+
+
 def cache_hidden_states(
     target: PreTrainedModel,
     sequences: Sequence[TrainingSequence],
@@ -159,12 +186,9 @@ def cache_hidden_states(
     dtype: torch.dtype = torch.bfloat16,
     tokens_per_batch: int = 4096,
 ) -> Path:
-    """Store the target's hidden states at `layer_ids` (concatenated) for every sequence, one file each.
+    """Store `target_hidden_states` for every sequence on disk, one file each, batched by length.
 
-    Id i is the output of target decoder layer i (`hidden_states[i + 1]`), as the drafter reads it at
-    inference. Sequences are batched by length (right padding: causal attention keeps real positions exact)
-    and the forward runs under `dtype` autocast. Existing files are kept, so the step resumes; the layer
-    ids are part of the directory name.
+    Existing files are kept, so the step resumes; the layer ids are part of the directory name.
     """
     cache_dir = Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -174,23 +198,11 @@ def cache_hidden_states(
     )
     bar = tqdm(total=len(todo), desc="target hidden states", unit="seq")
     while todo:
-        width = len(todo[0].input_ids)
         count = 1
         while count < len(todo) and (count + 1) * len(todo[count].input_ids) <= tokens_per_batch:
             count += 1
         batch, todo = todo[:count], todo[count:]
-        width = len(batch[-1].input_ids)
-        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, seq in enumerate(batch):
-            input_ids[row, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
-            attention_mask[row, : len(seq.input_ids)] = 1
-        device = target.device
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            out = target(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True
-            )
-        hidden = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(dtype).cpu()
+        hidden = target_hidden_states(target, batch, layer_ids, dtype).cpu()
         for row, seq in enumerate(batch):
             path = cache_dir / f"{_safe_name(seq.id)}.safetensors"
             save_file({"hidden": hidden[row, : len(seq.input_ids)].contiguous()}, str(path))

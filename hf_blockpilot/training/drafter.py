@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from .data import TrainingSequence, load_hidden_states
+from .data import TrainingSequence, load_hidden_states, target_hidden_states
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +131,16 @@ def init_drafter_from_target(drafter: BlockDiffusionDrafter, target: PreTrainedM
 
 
 class DrafterTrainer:
-    """Trains a `BlockDiffusionDrafter` on cached target hidden states; resumable from `output_dir`."""
+    """Trains a `BlockDiffusionDrafter` on target hidden states, cached on disk (`hidden_cache_dir`) or
+    computed by the target in each step (`None`: no disk, the better choice on a GPU); resumable from
+    `output_dir`."""
 
     def __init__(
         self,
         drafter: BlockDiffusionDrafter,
         target: PreTrainedModel,
         sequences: Sequence[TrainingSequence],
-        hidden_cache_dir: str | Path,
+        hidden_cache_dir: str | Path | None,
         output_dir: str | Path,
         config: DrafterTrainingConfig,
     ):
@@ -151,7 +153,8 @@ class DrafterTrainer:
         self.validation = self.validation[: config.validation_max_sequences]
         if not self.sequences:
             raise ValueError("no training sequence has a response of at least 2 tokens")
-        self.hidden_cache_dir = Path(hidden_cache_dir)
+        self.hidden_cache_dir = None if hidden_cache_dir is None else Path(hidden_cache_dir)
+        self.target = target
         self.output_dir = Path(output_dir)
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -206,43 +209,76 @@ class DrafterTrainer:
         return (self.target_to_draft[tokens] >= 0).float().mean().item() if tokens.numel() else 1.0
 
     # ------------------------------------------------------------------------------------------ one step
+    def hidden_states(self, batch: Sequence[TrainingSequence]) -> torch.Tensor:
+        """Target hidden states of `batch`, right-padded to (len(batch), longest, layers * hidden): read from
+        the on-disk cache, or computed by the target now when the trainer has no cache (`hidden_cache_dir=None`)."""
+        if self.hidden_cache_dir is None:
+            return target_hidden_states(self.target, batch, self.drafter.target_layer_ids)
+        states = [load_hidden_states(self.hidden_cache_dir, seq) for seq in batch]
+        return torch.nn.utils.rnn.pad_sequence(states, batch_first=True)
+
     def sequence_loss(
         self, seq: TrainingSequence, hidden: torch.Tensor, rng: random.Random | None = None
     ) -> tuple[torch.Tensor, dict]:
-        """Weighted block-diffusion loss of one sequence (anchors drawn from `rng`, default the trainer's),
-        plus per-slot accuracy counts."""
+        """`batch_loss` of one sequence with its (length, layers * hidden) hidden states."""
+        return self.batch_loss([seq], hidden[None], rng)
+
+    def batch_loss(
+        self, batch: Sequence[TrainingSequence], hidden: torch.Tensor, rng: random.Random | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        """Weighted block-diffusion loss over the blocks of a batch of sequences, in one drafter forward.
+
+        Each sequence gets up to `anchors_per_sequence` random anchors (drawn from `rng`, default the
+        trainer's); sequences with fewer candidates repeat their first anchor in blocks that carry no loss.
+        `hidden` is (len(batch), >= longest, layers * hidden), right-padded: a block only sees context before
+        its anchor, so padding is never attended. Returns the loss and per-block slot accuracy counts.
+        """
         b, cfg = self.config.block_size, self.config
         rng = rng or self.rng
-        ids = torch.tensor(seq.input_ids)
-        length = ids.numel()
-        candidates = range(seq.response_start - 1, length - 1)  # anchors whose slot 1 has a label
-        anchors = torch.tensor(sorted(rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates)))))
+        lengths = [len(seq.input_ids) for seq in batch]
+        width = hidden.shape[1]
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        anchor_rows, block_valid = [], []
+        for row, seq in enumerate(batch):
+            ids[row, : lengths[row]] = torch.tensor(seq.input_ids)
+            candidates = range(seq.response_start - 1, lengths[row] - 1)  # anchors whose slot 1 has a label
+            chosen = sorted(rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates))))
+            anchor_rows.append(chosen)
+        n = max(len(chosen) for chosen in anchor_rows)
+        for chosen in anchor_rows:
+            block_valid.append([True] * len(chosen) + [False] * (n - len(chosen)))
+            chosen += chosen[:1] * (n - len(chosen))
+        anchors = torch.tensor(anchor_rows)  # (batch, n)
+        block_valid = torch.tensor(block_valid)
         offsets = torch.arange(b)
-        positions = (anchors[:, None] + offsets[None, :]).reshape(1, -1)
+        positions = (anchors[:, :, None] + offsets).reshape(len(batch), -1)
+        rows = torch.arange(len(batch))[:, None]
         block_ids = torch.full_like(positions, self.drafter.mask_token_id)
-        block_ids[0, ::b] = ids[anchors]
-        label_pos = anchors[:, None] + offsets[None, 1:]
-        labels = torch.where(label_pos < length, ids[label_pos.clamp(max=length - 1)], -100)
-        draft_labels = torch.where(labels >= 0, self.target_to_draft[labels.clamp(min=0)], -100)
-        valid = labels >= 0
-        mask = block_attention_mask(anchors, b, length)[None, None]
+        block_ids[:, ::b] = ids[rows, anchors]
+        label_pos = anchors[:, :, None] + offsets[1:]
+        length = torch.tensor(lengths)[:, None, None]
+        valid = (label_pos < length) & block_valid[:, :, None]
+        labels = torch.where(valid, ids[rows[:, :, None], label_pos.clamp(max=width - 1)], -100)
+        draft_labels = torch.where(valid, self.target_to_draft[labels.clamp(min=0)], -100)
+        mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             out = self.drafter(
                 block_embeds=self.embed(block_ids.to(device)).detach(),
                 block_position_ids=positions.to(device),
-                target_hidden=hidden[None].to(device),
-                context_position_ids=torch.arange(length, device=device)[None],
+                target_hidden=hidden.to(device),
+                context_position_ids=torch.arange(width, device=device).expand(len(batch), -1),
                 attention_mask=mask.to(device),
             ).last_hidden_state
-            slots = out.view(len(anchors), b, -1)[:, 1:]
+            slots = out.view(len(batch), n, b, -1)[:, :, 1:]
             logits = F.linear(slots, self.head_weight.to(slots.dtype), self.head_bias)
         logits = logits.float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), draft_labels.reshape(-1).to(device), reduction="none")
-        weights = self.weights.to(device)[None, :] * valid.to(device)
+        weights = self.weights.to(device) * valid.to(device)
         loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
         correct = (logits.argmax(-1).cpu() == draft_labels) & valid
-        return loss, {"correct": correct, "valid": valid}
+        keep = block_valid.reshape(-1)
+        return loss, {"correct": correct.reshape(-1, b - 1)[keep], "valid": valid.reshape(-1, b - 1)[keep]}
 
     def train(self) -> dict:
         """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps and scoring the
@@ -256,12 +292,10 @@ class DrafterTrainer:
         while self.step < cfg.max_steps:
             batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
             self.optimizer.zero_grad(set_to_none=True)
-            total = 0.0
-            for seq in batch:
-                loss, acc = self.sequence_loss(seq, load_hidden_states(self.hidden_cache_dir, seq))
-                (loss / len(batch)).backward()
-                total += loss.item() / len(batch)
-                window.append(acc)
+            loss, acc = self.batch_loss(batch, self.hidden_states(batch))
+            loss.backward()
+            total = loss.item()
+            window.append(acc)
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
@@ -296,8 +330,10 @@ class DrafterTrainer:
         self.drafter.eval()
         losses, window = [], []
         try:
-            for seq in self.validation:
-                loss, acc = self.sequence_loss(seq, load_hidden_states(self.hidden_cache_dir, seq), rng)
+            step = self.config.sequences_per_step
+            for start in range(0, len(self.validation), step):
+                batch = self.validation[start : start + step]
+                loss, acc = self.batch_loss(batch, self.hidden_states(batch), rng)
                 losses.append(loss.item())
                 window.append(acc)
         finally:
@@ -379,11 +415,14 @@ def train_drafter(
     max_new_tokens: int = 192,
     config: DrafterTrainingConfig | None = None,
     refresh_draft_vocab: bool = False,
+    cache_hidden_states_on_disk: bool = True,
 ) -> BlockDiffusionDrafter:
     """The whole recipe, each stage resumable: target responses -> hidden-state cache -> training.
 
     Writes `output_dir/data` (responses), `output_dir/hidden` (target hidden states) and
     `output_dir/checkpoint` (the drafter in the z-lab format, plus optimizer state). Returns the drafter.
+    `cache_hidden_states_on_disk=False` has the target compute hidden states in every step instead (no disk;
+    pays on a GPU, where a target forward is cheaper than reading its states back).
     `refresh_draft_vocab` rebuilds a resumed drafter's reduced vocabulary from the current data (after adding
     prompts of another kind); a coverage below 95% of the response tokens is warned about.
     """
@@ -401,7 +440,7 @@ def train_drafter(
 
     checkpoint = output_dir / CHECKPOINT_DIR
     if (checkpoint / STATE_FILE).exists():
-        drafter = BlockDiffusionDrafter.from_pretrained(checkpoint)
+        drafter = BlockDiffusionDrafter.from_pretrained(checkpoint).to(target.device)
         drafter.check_compatible(target)
     else:
         vocab = vocab_from_data(draft_vocab_size) if draft_vocab_size else None
@@ -414,7 +453,9 @@ def train_drafter(
             draft_vocab=vocab,
         )
         init_drafter_from_target(drafter, target)
-    hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
+    hidden_dir = None
+    if cache_hidden_states_on_disk:
+        hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
     trainer = DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config)
     if refresh_draft_vocab and drafter.d2t is not None:
         trainer.set_draft_vocab(vocab_from_data(drafter.d2t.numel()))
