@@ -47,9 +47,9 @@ def test_default_drafter_is_lossless_and_drafts_usefully(default_pair):
 
 
 def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
-    """The embedded policy's probabilities must depend on the prompt (a constant function would be a defect); on
-    this CPU its throughput labels say b = 4 for 91 of 120 prompts, b = 2 for 18 and b = 16 for 8 (3 others), so
-    every choice should be one of those, with b = 4 on code (HumanEval)."""
+    """The embedded policy's probabilities must depend on the prompt (a constant function would be a defect); it
+    chooses among 1, 2, 3, 4, 6, 8, and on this CPU its throughput labels say b = 4 for 91 of 120 prompts and
+    b = 2 for 18, so every choice should be 2 or 4, with b = 4 on code (HumanEval)."""
     target, tokenizer = default_pair
     policy = resolve_policy("default")
     assert policy is not None
@@ -67,7 +67,7 @@ def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
         probs.append(torch.tensor([p[c] for c in policy.candidates]))
     spread = torch.stack(probs).std(dim=0).max().item()
     assert spread > 0.01, f"the policy gives the same probabilities for every prompt (max std {spread:.4f})"
-    assert set(chosen.values()) <= {2, 4, 16}, chosen
+    assert set(chosen.values()) <= {2, 4}, chosen
     assert all(b == 4 for name, b in chosen.items() if name.startswith("HumanEval")), chosen
 
 
