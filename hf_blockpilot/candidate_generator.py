@@ -70,6 +70,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
+        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
+        self.target_head = target.get_output_embeddings()
         self.logits_processor = logits_processor
         self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
         self.stop_strings = None
@@ -103,7 +105,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             self.stats.drafted_per_round.append(0)
             return input_ids, None
         if self.block_size is None:
-            self.block_size = self._choose_block_size(input_ids, model_outputs)
+            self.block_size = self._choose_block_size(model_outputs)
         num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
         if num_drafts <= 0:  # speculation off (b = 1) or no room left before max_length
             self.stats.drafted_per_round.append(0)
@@ -122,13 +124,13 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.stats.new_tokens = input_ids.shape[1] - self.stats.prompt_tokens
 
     # --------------------------------------------------------------------------------------- the steps
-    def _choose_block_size(self, input_ids: torch.LongTensor, prefill_outputs: Any) -> int:
+    def _choose_block_size(self, prefill_outputs: Any) -> int:
         policy = self.drafter.policy
         if policy is None:
             block_size = self.drafter.block_size
         else:
             start = time.perf_counter()
-            block_size, probs = policy.choose_block_size(prefill_outputs, input_ids)
+            block_size, probs = policy.choose_block_size(prefill_outputs, self.target_head, self.temperature)
             self.stats.policy_seconds = time.perf_counter() - start
             self.stats.policy_probs = probs
         self.stats.block_size = block_size

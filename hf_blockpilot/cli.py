@@ -202,7 +202,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
             return 1
     path = collect_oracle_labels(
         target, tokenizer, drafter, prompts, args.output_dir, args.candidates, args.feature_layers,
-        args.max_new_tokens, shard=shard, num_shards=num_shards,
+        args.max_new_tokens, shard=shard, num_shards=num_shards, temperatures=args.temperatures,
     )
     print(f"labels written to {path}")
     return 0
@@ -365,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, nargs="+", default=[1, 4, 8, 12, 16, 20])
     p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                   help="label each prompt at these sampling temperatures (0 = greedy; T>0: expected acceptance)")
     p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="skip timing the cost model")
     p.add_argument("--verify", type=int, default=0, metavar="N",
                    help="first check replay == real decoding on N prompts (and time both)")

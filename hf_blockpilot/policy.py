@@ -1,7 +1,8 @@
 """BlockPilot: a small policy that picks the block size once per request from the target's prefill outputs.
 
 The features come from the prefill forward `generate` runs anyway (no extra target forward): last-token and
-mean-pooled prompt hidden states of a few target layers, and the last-token logit entropy / top-2 margin.
+mean-pooled prompt hidden states of a few target layers, the last-token logit entropy / top-2 margin, the prompt
+length and the request's sampling temperature (acceptance, hence the best block size, drops as it rises).
 Checkpoints are tiny safetensors files on the Hub (`PyTorchModelHubMixin`), loaded strictly.
 """
 
@@ -18,7 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
 from torch import nn
 
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "policy_card.md"
-NUM_LOGIT_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length
+NUM_SCALAR_FEATURES = 5  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length, temperature
 
 
 def drafter_fingerprint(drafter: nn.Module) -> str:
@@ -27,26 +28,33 @@ def drafter_fingerprint(drafter: nn.Module) -> str:
     return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
 
 
-def prefill_features(outputs: Any, feature_layers: list[int]) -> torch.Tensor:
+def prefill_features(outputs: Any, feature_layers: list[int], lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
     """(1, D) features of one request from the target's prefill outputs (`output_hidden_states=True`).
 
     Per layer id i (`hidden_states[i + 1]`): the last prompt token's state and the prompt's mean state;
-    then entropy, top-1 probability and top-2 margin of the last-token distribution, and log prompt length.
-    Runs on the outputs' device; no host synchronisation. With sampling, `generate`'s loop has already applied
-    its logits processors (temperature, top-k/top-p: -inf outside the kept tokens) to these logits in place;
-    excluded tokens count as probability 0, so the features stay finite.
+    then entropy, top-1 probability and top-2 margin of the last token's next-token distribution, log prompt
+    length, and the sampling temperature (0 = greedy). Runs on the outputs' device; no host synchronisation.
+
+    The distribution comes from the target's *raw* logits, recomputed by `lm_head` (the target's output
+    embeddings) from the final hidden state (`hidden_states[-1]`, after the final norm): with sampling,
+    `generate` overwrites `outputs.logits` with its processed logits (temperature, top-k/top-p) for fp32 targets
+    but not for bf16 ones, so reading them would make the features depend on the dtype; the temperature is
+    given to the policy as a feature of its own instead.
     """
+    hidden_states = outputs.hidden_states
     parts = []
     for i in feature_layers:
-        hidden = outputs.hidden_states[i + 1][0].float()
+        hidden = hidden_states[i + 1][0].float()
         parts += [hidden[-1], hidden.mean(dim=0)]
-    logits = outputs.logits[0, -1].float()
+    last = hidden_states[-1][:, -1]
+    logits = lm_head(last.to(lm_head.weight.dtype))[0].float()
     log_probs = torch.log_softmax(logits, dim=-1)
     probs = log_probs.exp()
     top2 = probs.topk(2).values
-    length = torch.tensor(math.log(outputs.hidden_states[0].shape[1]), device=logits.device)
+    length = math.log(hidden_states[0].shape[1])
     entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum()  # 0 * log 0 = 0
-    stats = torch.stack([entropy, top2[0], top2[0] - top2[1], length])
+    request = torch.tensor([length, temperature], device=logits.device)
+    stats = torch.cat([torch.stack([entropy, top2[0], top2[0] - top2[1]]), request])
     return torch.cat(parts + [stats]).unsqueeze(0)
 
 
@@ -92,7 +100,7 @@ class BlockPilotPolicy(
         self.target_name = target_name
         self.drafter_name = drafter_name
         self.drafter_fingerprint = drafter_fingerprint
-        feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_LOGIT_FEATURES
+        feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_SCALAR_FEATURES
         self.input_norm = nn.LayerNorm(feature_dim)
         self.net = nn.Sequential(
             nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
@@ -126,9 +134,15 @@ class BlockPilotPolicy(
         return self.net(self.input_norm(features.to(self.input_norm.weight.dtype)))
 
     @torch.no_grad()
-    def choose_block_size(self, prefill_outputs: Any, input_ids: torch.Tensor | None = None) -> tuple[int, dict]:
-        """The block size for this request and the policy's probability for each candidate."""
-        features = prefill_features(prefill_outputs, self.feature_layers).to(self.input_norm.weight.device)
+    def choose_block_size(
+        self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0
+    ) -> tuple[int, dict]:
+        """The block size for this request and the policy's probability for each candidate.
+
+        `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy.
+        """
+        features = prefill_features(prefill_outputs, self.feature_layers, lm_head, temperature)
+        features = features.to(self.input_norm.weight.device)
         probs = torch.softmax(self(features)[0].float(), dim=-1).cpu()  # one small sync per request
         if not torch.isfinite(probs).all():
             raise ValueError(

@@ -77,10 +77,16 @@ class ScriptedDrafter(BlockDiffusionDrafter):
     with probability `error_rate` per slot, where it proposes a wrong token. Needs vocab <= hidden size, so
     that the LM head has an exact right inverse."""
 
-    def rig(self, target, script: torch.Tensor, error_rate: float, seed: int = 0) -> "ScriptedDrafter":
+    def rig(
+        self, target, script: torch.Tensor, error_rate: float, seed: int = 0, by_position: bool = False
+    ) -> "ScriptedDrafter":
+        """`by_position`: whether a slot errs depends only on the (anchor, slot) position, not on the call order."""
         self.script = script.view(-1)
         self.error_rate = error_rate
         self.rng = torch.Generator().manual_seed(seed)
+        self.errors = None
+        if by_position:
+            self.errors = torch.rand((self.script.numel(), self.block_size), generator=self.rng) < error_rate
         weight = target.get_output_embeddings().weight.detach().float()
         assert weight.shape[0] <= weight.shape[1], "ScriptedDrafter needs vocab_size <= hidden_size"
         self.head_inverse = torch.linalg.pinv(weight)  # (hidden, vocab)
@@ -91,7 +97,10 @@ class ScriptedDrafter(BlockDiffusionDrafter):
         vocab = self.head_inverse.shape[1]
         positions = block_position_ids[0].clamp(max=self.script.numel() - 1)
         tokens = self.script[positions].clone()
-        wrong = torch.rand(tokens.shape, generator=self.rng) < self.error_rate
+        if self.errors is None:
+            wrong = torch.rand(tokens.shape, generator=self.rng) < self.error_rate
+        else:
+            wrong = self.errors[positions[0], : tokens.numel()]
         tokens[wrong] = (tokens[wrong] + 1 + torch.randint(vocab - 1, tokens[wrong].shape, generator=self.rng)) % vocab
         logits = 20.0 * torch.nn.functional.one_hot(tokens, vocab).float()
         out.last_hidden_state = (logits @ self.head_inverse.T).unsqueeze(0).to(out.last_hidden_state.dtype)

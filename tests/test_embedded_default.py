@@ -61,7 +61,7 @@ def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
         ids = chat_inputs(tokenizer, record.prompt, target.device)
         with torch.no_grad():
             out = target(ids, output_hidden_states=True, logits_to_keep=1)
-        b, p = policy.choose_block_size(out, ids)
+        b, p = policy.choose_block_size(out, target.get_output_embeddings())
         assert b == max(p, key=p.get)
         chosen[record.id] = b
         probs.append(torch.tensor([p[c] for c in policy.candidates]))

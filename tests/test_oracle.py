@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import ScriptedDrafter, make_drafter, make_target
 
-from hf_blockpilot.training.oracle import replay_block_size
+from hf_blockpilot.training.oracle import expected_sampled_stats, replay_block_size, sampling_processors
 
 VOCAB, HIDDEN = 48, 64
 
@@ -49,3 +50,73 @@ def test_replay_equals_real_decoding(family):
                 checked += 1
                 partial += any(0 < a < d for a, d in zip(real.accepted_per_round, real.drafted_per_round))
     assert checked == 64 and partial > 0
+
+
+def test_sampling_processors_are_the_ones_generate_samples_with():
+    """The T>0 labels' target distributions: sampling token by token from them, with generate's seed, must
+    give generate's own sampled output (the target's generation defaults, here top-k, merged as generate does)."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, seed=2)
+    target.generation_config.top_k = 7
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    processors = sampling_processors(target, prompt, temperature=0.8)
+    torch.manual_seed(5)
+    sampled = target.generate(prompt, do_sample=True, temperature=0.8, max_new_tokens=10, pad_token_id=0)
+    torch.manual_seed(5)
+    ids = prompt
+    for _ in range(10):
+        logits = processors(ids, target(ids).logits[:, -1].float())
+        ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1)], dim=-1)
+    assert torch.equal(ids, sampled)
+
+
+def test_expected_sampled_stats_equal_the_greedy_replay_when_sampling_is_deterministic(family):
+    """With top-k = 1 sampling is greedy and every acceptance probability is 0 or 1: the expected τ and round
+    count must be exactly the greedy replay's (itself equal to real decoding)."""
+    target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=4)
+    target.generation_config.top_k = 1
+    partial = 0
+    for case in range(4):
+        prompt = torch.randint(3, VOCAB, (1, 5 + 2 * case), generator=torch.Generator().manual_seed(case))
+        max_new = 14 + 4 * case
+        reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = target(reference, output_hidden_states=True)
+        processors = sampling_processors(target, prompt, temperature=1.0)
+        for block_size in (2, 4, 7):
+            drafter = ScriptedDrafter.from_target(target, block_size=block_size).eval()
+            drafter.rig(target, reference, error_rate=0.3, seed=case, by_position=True)
+            greedy = replay_block_size(target, drafter, out.hidden_states, reference, prompt.shape[1], block_size, max_new)
+            tau, forwards = expected_sampled_stats(
+                target, drafter, out.hidden_states, out.logits, reference, prompt.shape[1], block_size, max_new, processors
+            )
+            assert forwards == greedy.target_forwards and tau == pytest.approx(greedy.tau), (case, block_size)
+            partial += any(0 < a < block_size - 1 for a in greedy.accepted_per_round)
+    assert partial > 0
+
+
+def test_expected_sampled_tau_tracks_real_speculative_sampling():
+    """At T=1 the labels' expected τ, averaged over sampled continuations, must be close to the τ that real
+    speculative sampling reaches on average (the estimator conditions later slots on the continuation's
+    tokens, an approximation; 400 real runs and 100 continuations, fixed seeds)."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, seed=3)
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    max_new, block_size = 16, 4
+    drafter = make_drafter(target, block_size=block_size, seed=2)
+    processors = sampling_processors(target, prompt, temperature=1.0)
+    config = dict(do_sample=True, temperature=1.0, max_new_tokens=max_new, pad_token_id=0, eos_token_id=None)
+    real = []
+    for seed in range(400):
+        torch.manual_seed(seed)
+        target.generate(prompt, **config, assistant_model=drafter)
+        real.append(drafter.last_stats.tau)
+    expected = []
+    for seed in range(100):
+        torch.manual_seed(10_000 + seed)
+        sequence = target.generate(prompt, **config)
+        out = target(sequence, output_hidden_states=True)
+        tau, _ = expected_sampled_stats(
+            target, drafter, out.hidden_states, out.logits, sequence, prompt.shape[1], block_size, max_new, processors
+        )
+        expected.append(tau)
+    real_mean, expected_mean = sum(real) / len(real), sum(expected) / len(expected)
+    assert real_mean > 1.2, "the drafter must be accepted sometimes for this check to mean anything"
+    assert expected_mean == pytest.approx(real_mean, rel=0.05), (expected_mean, real_mean)

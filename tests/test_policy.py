@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
 from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy
-from hf_blockpilot.policy import drafter_fingerprint, prefill_features
+from hf_blockpilot.policy import NUM_SCALAR_FEATURES, drafter_fingerprint, prefill_features
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 
@@ -66,7 +67,7 @@ def test_round_trip_through_a_local_directory(tmp_path, target):
     loaded = BlockPilotPolicy.from_pretrained(tmp_path / "p")
     for (name, a), b in zip(policy.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
-    features = torch.randn(3, 2 * 2 * HIDDEN + 4)
+    features = torch.randn(3, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES)
     torch.testing.assert_close(loaded(features), policy(features))
 
 
@@ -150,12 +151,36 @@ def test_choices_vary_with_the_prompt_and_need_no_extra_target_forward(target):
 def test_features_come_from_the_prefill_outputs(target):
     prompt = _prompt(2, length=9)
     out = target(prompt, output_hidden_states=True)
-    features = prefill_features(out, [1, 3])
-    assert features.shape == (1, 2 * 2 * HIDDEN + 4)
+    features = prefill_features(out, [1, 3], target.get_output_embeddings(), temperature=0.7)
+    assert features.shape == (1, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES)
     torch.testing.assert_close(features[0, :HIDDEN], out.hidden_states[2][0, -1])
     torch.testing.assert_close(features[0, HIDDEN : 2 * HIDDEN], out.hidden_states[2][0].mean(0))
-    probs = out.logits[0, -1].softmax(-1)
-    torch.testing.assert_close(features[0, -3], probs.max())
+    probs = out.logits[0, -1].softmax(-1)  # recomputed from the final hidden state, equal to the forward's logits
+    entropy = -(probs * probs.log()).sum()
+    top2 = probs.topk(2).values
+    torch.testing.assert_close(features[0, -5:-2], torch.stack([entropy, top2[0], top2[0] - top2[1]]))
+    torch.testing.assert_close(features[0, -2:], torch.tensor([math.log(9), 0.7]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_do_not_depend_on_sampling_settings_or_dtype(dtype):
+    """`generate` overwrites the prefill logits with its processed ones (temperature, top-k) for fp32 targets
+    only; the features read the raw distribution either way, and carry the temperature on their own."""
+    target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS).to(dtype)
+    drafter = make_drafter(target, block_size=4).to(dtype)
+    seen = []
+    policy = make_policy(target, drafter).to(dtype)
+    policy.forward = lambda features: seen.append(features.clone()) or torch.zeros(1, 3)
+    drafter.set_policy(policy)
+    prompt = _prompt(6)
+    runs = [dict(do_sample=False), dict(do_sample=True, temperature=0.5, top_k=3), dict(do_sample=True, top_k=5)]
+    for kwargs in runs:
+        torch.manual_seed(0)
+        target.generate(prompt, max_new_tokens=4, pad_token_id=0, assistant_model=drafter, **kwargs)
+    reference = prefill_features(target(prompt, output_hidden_states=True), [1, 3], target.get_output_embeddings())
+    for features, temperature in zip(seen, [0.0, 0.5, 1.0]):
+        torch.testing.assert_close(features[0, :-1], reference[0, :-1].to(features.dtype))
+        assert features[0, -1].item() == temperature
 
 
 def test_attaching_to_another_target_errors_and_another_drafter_warns(target):
@@ -182,8 +207,11 @@ def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target)
 
     from dataclasses import asdict
 
+    hot = PolicyReport(accuracy=0.5, regret=0.2, policy_value=2.5, best_fixed_b=3, best_fixed_value=2.4,
+                       oracle_value=2.9, chosen={1: 0, 3: 20, 6: 0}, validation_prompts=20)
     report = PolicyReport(accuracy=0.75, regret=0.0123, policy_value=3.5, best_fixed_b=6,
-                          best_fixed_value=3.1, oracle_value=3.9, objective="throughput", validation_prompts=40)
+                          best_fixed_value=3.1, oracle_value=3.9, objective="throughput", validation_prompts=40,
+                          by_temperature={"1": asdict(hot)})
     make_policy(target).save_pretrained(tmp_path / "first")
     policy = BlockPilotPolicy.from_pretrained(tmp_path / "first")
     assert policy.report is None
@@ -198,6 +226,7 @@ def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target)
     assert "# BlockPilot policy for tiny-qwen3" in card
     assert "1, 3, 6" in card and "| accuracy vs per-prompt oracle b | 0.750 |" in card
     assert "| best fixed b | 6 (3.100) |" in card
+    assert "| 1 | 2.500 | 3 (2.400) | 2.900 | b=3: 20 |" in card
 
 
 def test_sampling_with_top_k_keeps_the_policy_features_finite(target):
@@ -217,4 +246,4 @@ def test_non_finite_features_are_an_error_not_a_silent_choice(target):
     out = target(_prompt(5), output_hidden_states=True)
     out.hidden_states[2][0, -1, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite prefill features"):
-        policy.choose_block_size(out)
+        policy.choose_block_size(out, target.get_output_embeddings())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import save_tiny_pair
 
 from hf_blockpilot import BlockPilotPolicy
@@ -16,12 +17,19 @@ def test_collect_train_evaluate(tmp_path, capsys):
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
     labels = tmp_path / "labels"
     args = ["collect", *models, "--output-dir", str(labels), "--dataset", "stdlib", "--num-prompts", "12",
-            "--candidates", "1", "3", "6", "--feature-layers", "1", "3", "--max-new-tokens", "16", "--verify", "2"]
+            "--candidates", "1", "3", "6", "--feature-layers", "1", "3", "--max-new-tokens", "16", "--verify", "2",
+            "--temperatures", "0", "1"]
     assert main(args) == 0
     assert main(args) == 0  # resumable: a rerun adds nothing
     records = read_oracle_labels(labels)
-    assert len(records) == 12 and len({r.id for r in records}) == 12
+    assert len(records) == 24 and len({(r.id, r.temperature) for r in records}) == 24
     assert all(set(r.tau) == {1, 3, 6} and r.tau[1] == 1.0 for r in records)
+    assert all(r.tau[6] >= 1.0 for r in records) and {r.temperature for r in records} == {0.0, 1.0}
+    cold = {r.id: r.features for r in records if r.temperature == 0}
+    for r in records:  # one prompt's features differ only in the temperature
+        if r.temperature == 1:
+            assert r.features[:-1] == pytest.approx(cold[r.id][:-1], abs=1e-5)
+            assert (r.features[-1], cold[r.id][-1]) == (1.0, 0.0)
     assert json.loads((labels / "manifest.json").read_text())["candidates"] == [1, 3, 6]
     assert (labels / "cost_model.json").exists()
     check = json.loads((labels / "replay_check.json").read_text())

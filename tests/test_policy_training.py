@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
+from hf_blockpilot.policy import NUM_SCALAR_FEATURES
 from hf_blockpilot.training.oracle import OracleRecord
 from hf_blockpilot.training.policy_training import (
     CostModel,
@@ -23,7 +24,7 @@ CANDIDATES = [1, 4, 8]
 def _records(n: int, seed: int = 0) -> list[OracleRecord]:
     """Synthetic prompts: a direction in feature space decides whether long blocks pay (τ grows with b) or not."""
     g = torch.Generator().manual_seed(seed)
-    dim = 2 * 1 * HIDDEN + 4
+    dim = 2 * 1 * HIDDEN + NUM_SCALAR_FEATURES
     rows = []
     for i in range(n):
         x = torch.randn(dim, generator=g)
@@ -86,3 +87,27 @@ def test_compare_objectives_shows_where_they_disagree():
     assert result["throughput"]["oracle_counts"][1] > 0
     assert result["throughput"]["oracle_tokens_per_second"] > result["acceptance"]["oracle_tokens_per_second"]
     assert result["acceptance"]["oracle_tau"] >= result["throughput"]["oracle_tau"]
+
+
+def test_policy_learns_a_temperature_dependent_choice():
+    """Every prompt labelled at T=0 and T=1 (features equal but for the temperature): long blocks pay greedily,
+    short ones when sampling. The split keeps a prompt's labels together; the report is also given per T."""
+    from dataclasses import replace
+
+    from hf_blockpilot.training.policy_training import split_by_prompt
+
+    records = []
+    for r in _records(300):
+        records.append(replace(r, tau={1: 1.0, 4: 3.0, 8: 6.0}, features=r.features[:-1] + [0.0]))
+        records.append(replace(r, tau={1: 1.0, 4: 3.0, 8: 2.0}, features=r.features[:-1] + [1.0], temperature=1.0))
+    train, held = split_by_prompt(records, 0.2, seed=0)
+    assert not {r.id for r in train} & {r.id for r in held} and len(held) == 2 * 60
+    target = make_target("qwen3", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
+    config = PolicyTrainingConfig(loss="ce", epochs=300, patience=100, learning_rate=1e-2, dropout=0.0, width=16)
+    cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
+    _, report = train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, cost)
+    cold, hot = report.by_temperature["0"], report.by_temperature["1"]
+    assert cold["best_fixed_b"] == 8 and hot["best_fixed_b"] == 4
+    assert cold["chosen"][8] > 0.9 * cold["validation_prompts"], cold
+    assert hot["chosen"][4] > 0.9 * hot["validation_prompts"], hot
+    assert report.policy_value > report.best_fixed_value  # no single b serves both temperatures

@@ -4,11 +4,18 @@ At T=0 the target's continuation does not depend on the block size, and the targ
 greedy decode gives the continuation, and one target forward over prompt + continuation gives every hidden
 state any verify round would see. For each candidate b the drafter alone is then replayed round by round,
 through the very candidate generator `generate()` uses, so the round count and τ(b) equal real decoding.
+
+At T>0 one sampled continuation stands in for the target's output distribution, and acceptance is taken in
+expectation instead of from one draw (`expected_sampled_stats`): speculative sampling accepts a draft drawn from
+q with probability Σ_x min(p(x), q(x)) (Leviathan et al., 2023), with p and q the target's and the drafter's
+processed distributions, so the expected number of rounds along the continuation follows by dynamic
+programming, with no sampling noise from the acceptance draws.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,17 +71,86 @@ def replay_block_size(
     return generator.stats
 
 
+def sampling_processors(target: PreTrainedModel, input_ids: torch.LongTensor, temperature: float) -> LogitsProcessorList:
+    """The logits processors `target.generate(input_ids, do_sample=True, temperature=...)` samples with: the
+    target's generation defaults merged as `generate` merges them (top-k, top-p, ...).
+
+    Uses `generate`'s own (private) preparation steps, so the labels' distributions are the ones decoding uses.
+    """
+    config, _ = target._prepare_generation_config(None, do_sample=True, temperature=temperature)
+    return target._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(),
+    )
+
+
+def expected_sampled_stats(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    hidden_states: Sequence[torch.Tensor],
+    target_logits: torch.Tensor,
+    sequence: torch.LongTensor,
+    prompt_len: int,
+    block_size: int,
+    max_new_tokens: int,
+    processors: LogitsProcessorList,
+    eos_token_ids: Sequence[int] = (),
+) -> tuple[float, float]:
+    """Expected (τ, target forwards) of speculative sampling with `block_size` along a sampled `sequence`.
+
+    `sequence` (1, n): prompt + one continuation sampled by the target; `hidden_states` and `target_logits`
+    (1, n, V): the target's outputs of one forward over it. After c committed tokens the drafter drafts exactly
+    as in real decoding (same context, same processed logits q_k per slot); slot k is accepted with probability
+    α_k = Σ_x min(p_k(x), q_k(x)), p_k the target's processed distribution of that token given the continuation,
+    so P(at least j accepted) = α_1 ··· α_j. The expected rounds R(c) = 1 + Σ_j P(j accepted) R(c + j + 1)
+    are solved backwards. It assumes accepted drafts equal the continuation's tokens, which holds in
+    distribution for the first slot and approximately after it; with top-k = 1 it equals the greedy replay.
+    """
+    n = sequence.shape[1]
+    config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=True)
+    config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=sequence.device) if eos_token_ids else None
+    generator = BlockDiffusionCandidateGenerator(drafter, target, sequence[:, :prompt_len], config, processors)
+    generator.block_size = block_size
+    generator.get_candidates(sequence[:, :prompt_len], is_first_iteration=True)
+    target_probs = {}  # position -> the target's processed next-token distribution there
+    survival = {}  # committed length c -> P(at least j drafts accepted), j = 1..k
+    for cur in range(prompt_len + 1, n):
+        generator.update_candidate_strategy(sequence[:, :cur], None, 0)
+        seen = generator.cache.get_seq_length()
+        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen:] for h in hidden_states))
+        _, draft_logits = generator.get_candidates(sequence[:, :cur], model_outputs=outputs)
+        k = 0 if draft_logits is None else min(draft_logits.shape[1], n - cur)  # drafts past the end never count
+        for pos in range(cur - 1, cur - 1 + k):
+            if pos not in target_probs:
+                target_probs[pos] = processors(sequence[:, : pos + 1], target_logits[:, pos].float())[0].softmax(-1)
+        p = torch.stack([target_probs[pos] for pos in range(cur - 1, cur - 1 + k)]) if k else None
+        alpha = torch.minimum(p, draft_logits[0, :k].softmax(-1)).sum(-1) if k else torch.zeros(0)
+        survival[cur] = alpha.clamp(max=1.0).cumprod(0).tolist()
+    rounds = [0.0] * (n + 1)
+    for cur in range(n - 1, prompt_len, -1):
+        at_least = [1.0] + survival[cur] + [0.0]
+        rounds[cur] = 1.0 + sum(
+            (at_least[j] - at_least[j + 1]) * rounds[min(cur + j + 1, n)] for j in range(len(at_least) - 1)
+        )
+    forwards = 1.0 + rounds[prompt_len + 1]  # the prefill, then the verify rounds
+    return (n - prompt_len) / forwards, forwards
+
+
 @dataclass
 class OracleRecord:
-    """One prompt's labels: τ(b) and rounds(b) per candidate, and the policy features of its prefill."""
+    """One prompt's labels at one temperature: τ(b) and target forwards(b) per candidate (expected ones at
+    T>0), and the policy features of its prefill."""
 
     id: str
     dataset: str
     prompt_tokens: int
     new_tokens: int
     tau: dict[int, float]
-    rounds: dict[int, int]
+    rounds: dict[int, float]
     features: list[float]
+    temperature: float = 0.0
 
 
 @torch.inference_mode()
@@ -86,26 +162,35 @@ def oracle_record(
     candidates: Sequence[int],
     feature_layers: Sequence[int],
     max_new_tokens: int,
+    temperature: float = 0.0,
 ) -> OracleRecord:
-    """One plain greedy decode, one target forward, then a drafter replay per candidate block size."""
+    """One plain decode (greedy, or sampled at `temperature` with a seed from the prompt id), one target
+    forward, then a drafter replay per candidate block size."""
     input_ids = chat_inputs(tokenizer, record.prompt, target.device)
     prompt_len = input_ids.shape[1]
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    if temperature > 0:
+        processors = sampling_processors(target, input_ids, temperature)
+        torch.manual_seed(zlib.crc32(f"{record.id}@{temperature}".encode()))
     sequence = target.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, **sampling
     )
     out = target(sequence, output_hidden_states=True)
-    prefill = SimpleNamespace(
-        hidden_states=tuple(h[:, :prompt_len] for h in out.hidden_states), logits=out.logits[:, prompt_len - 1 :]
-    )
-    features = prefill_features(prefill, list(feature_layers))[0]
+    prefill = SimpleNamespace(hidden_states=tuple(h[:, :prompt_len] for h in out.hidden_states))
+    features = prefill_features(prefill, list(feature_layers), target.get_output_embeddings(), temperature)[0]
     eos_ids = generation_eos_ids(target)
     tau, rounds = {}, {}
     for b in candidates:
         if b == 1:  # speculation off: one token per target forward
             tau[b], rounds[b] = 1.0, sequence.shape[1] - prompt_len
-            continue
-        stats = replay_block_size(target, drafter, out.hidden_states, sequence, prompt_len, b, max_new_tokens, eos_ids)
-        tau[b], rounds[b] = stats.tau, stats.target_forwards
+        elif temperature > 0:
+            tau[b], rounds[b] = expected_sampled_stats(
+                target, drafter, out.hidden_states, out.logits, sequence, prompt_len, b, max_new_tokens, processors,
+                eos_ids,
+            )
+        else:
+            stats = replay_block_size(target, drafter, out.hidden_states, sequence, prompt_len, b, max_new_tokens, eos_ids)
+            tau[b], rounds[b] = stats.tau, stats.target_forwards
     return OracleRecord(
         id=record.id,
         dataset=record.dataset,
@@ -114,6 +199,7 @@ def oracle_record(
         tau=tau,
         rounds=rounds,
         features=features.float().cpu().tolist(),
+        temperature=temperature,
     )
 
 
@@ -128,8 +214,10 @@ def collect_oracle_labels(
     max_new_tokens: int = 128,
     shard: int = 0,
     num_shards: int = 1,
+    temperatures: Sequence[float] = (0.0,),
 ) -> Path:
-    """Append an `OracleRecord` per prompt to `output_dir/labels-<shard>.jsonl` (resumable, shardable).
+    """Append an `OracleRecord` per prompt and temperature to `output_dir/labels-<shard>.jsonl` (resumable,
+    shardable).
 
     Prompts are split round-robin over `num_shards` processes; a manifest records the setup.
     """
@@ -142,14 +230,22 @@ def collect_oracle_labels(
         "target": getattr(target.config, "_name_or_path", ""),
         "drafter": getattr(drafter.config, "_name_or_path", ""),
         "num_shards": num_shards,
+        "temperatures": list(temperatures),
     }
     (output_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     path = output_dir / f"labels-{shard:03d}.jsonl"
-    done = {json.loads(line)["id"] for line in path.open()} if path.exists() else set()
-    mine = [p for i, p in enumerate(prompts) if i % num_shards == shard and p.id not in done]
+    done = set()
+    if path.exists():
+        rows = [json.loads(line) for line in path.open()]
+        done = {(row["id"], row.get("temperature", 0.0)) for row in rows}
+    mine = [
+        (p, t) for i, p in enumerate(prompts) if i % num_shards == shard for t in temperatures if (p.id, t) not in done
+    ]
     with path.open("a") as f:
-        for record in tqdm(mine, desc=f"oracle labels (shard {shard})", unit="prompt"):
-            row = oracle_record(target, tokenizer, drafter, record, candidates, feature_layers, max_new_tokens)
+        for record, temperature in tqdm(mine, desc=f"oracle labels (shard {shard})", unit="label"):
+            row = oracle_record(
+                target, tokenizer, drafter, record, candidates, feature_layers, max_new_tokens, temperature
+            )
             f.write(json.dumps(asdict(row)) + "\n")
             f.flush()
     return path

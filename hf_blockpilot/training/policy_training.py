@@ -155,14 +155,15 @@ class PolicyReport:
     oracle_counts: dict[int, int] = field(default_factory=dict)
     objective: str = "throughput"
     validation_prompts: int = 0
+    by_temperature: dict[str, dict] = field(default_factory=dict)  # the same metrics per label temperature
 
 
 def split_by_prompt(records: Sequence[OracleRecord], fraction: float, seed: int) -> tuple[list, list]:
-    """Deterministic train/validation split of prompt records."""
-    order = sorted(records, key=lambda r: r.id)
-    random.Random(seed).shuffle(order)
-    cut = max(1, int(round(len(order) * fraction)))
-    return order[cut:], order[:cut]
+    """Deterministic train/validation split by prompt: a prompt's records (one per temperature) stay together."""
+    ids = sorted({r.id for r in records})
+    random.Random(seed).shuffle(ids)
+    held = set(ids[: max(1, int(round(len(ids) * fraction)))])
+    return [r for r in records if r.id not in held], [r for r in records if r.id in held]
 
 
 def evaluate_choices(values: torch.Tensor, chosen: torch.Tensor, candidates: Sequence[int], objective: str) -> PolicyReport:
@@ -254,7 +255,13 @@ def train_policy(
     policy.load_state_dict(best_state)
     policy.eval()
     with torch.no_grad():
-        report = evaluate_choices(v_test, policy(x_test).argmax(dim=1), candidates, config.objective)
+        chosen = policy(x_test).argmax(dim=1)
+    report = evaluate_choices(v_test, chosen, candidates, config.objective)
+    temperatures = torch.tensor([r.temperature for r in test])
+    if len(set(temperatures.tolist())) > 1:
+        for t in sorted(set(temperatures.tolist())):
+            rows = temperatures == t
+            report.by_temperature[f"{t:g}"] = asdict(evaluate_choices(v_test[rows], chosen[rows], candidates, config.objective))
     policy.report = asdict(report)
     policy._hub_mixin_config["report"] = policy.report  # saved with the config, shown on the model card
     return policy, report
