@@ -109,6 +109,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         config=config,
         refresh_draft_vocab=args.refresh_draft_vocab,
         cache_hidden_states_on_disk=not args.no_hidden_cache,
+        init_drafter=args.init_drafter,
     )
     if args.save_to:
         drafter.save_pretrained(args.save_to)
@@ -338,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-to", default=None, help="also save the final drafter here")
+    p.add_argument("--init-drafter", default=None,
+                   help="start a new run from this drafter (Hub id or directory): fine-tuning with a fresh optimizer")
     p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("eval-drafter", help="τ by real greedy decoding on held-out prompt sets")

@@ -72,6 +72,16 @@ def test_train_drafter_recipe_end_to_end(tmp_path):
     expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=again), expected)
 
+    # fine-tuning: a new run starts from the trained drafter's weights (not from the target), with its own step count
+    (tmp_path / "tuned" / "data").mkdir(parents=True)
+    (tmp_path / "tuned" / "data" / RESPONSES_FILE).write_text((data / RESPONSES_FILE).read_text())
+    cfg.max_steps, cfg.learning_rate, cfg.log_every = 2, 1e-12, 1
+    tuned = train_drafter(target, None, tmp_path / "tuned", config=cfg, init_drafter=tmp_path / "run" / "checkpoint")
+    for (name, p), q in zip(again.state_dict().items(), tuned.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=name)
+    log = [json.loads(line) for line in (tmp_path / "tuned" / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == [1, 2]
+
 
 def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(tmp_path):
     """`train-drafter --prompts-file ... --no-hidden-cache`: the target answers the file's prompts, and

@@ -416,6 +416,7 @@ def train_drafter(
     config: DrafterTrainingConfig | None = None,
     refresh_draft_vocab: bool = False,
     cache_hidden_states_on_disk: bool = True,
+    init_drafter: str | Path | None = None,
 ) -> BlockDiffusionDrafter:
     """The whole recipe, each stage resumable: target responses -> hidden-state cache -> training.
 
@@ -425,6 +426,9 @@ def train_drafter(
     pays on a GPU, where a target forward is cheaper than reading its states back).
     `refresh_draft_vocab` rebuilds a resumed drafter's reduced vocabulary from the current data (after adding
     prompts of another kind); a coverage below 95% of the response tokens is warned about.
+    `init_drafter` (a Hub id or directory) starts a new run from that drafter's weights instead of from the
+    target (fine-tuning, e.g. on one domain's responses; fresh optimizer and schedule; its architecture and
+    vocabulary are kept, the architecture arguments are ignored).
     """
     from .data import cache_hidden_states, generate_responses, generation_eos_ids, read_sequences
 
@@ -441,6 +445,9 @@ def train_drafter(
     checkpoint = output_dir / CHECKPOINT_DIR
     if (checkpoint / STATE_FILE).exists():
         drafter = BlockDiffusionDrafter.from_pretrained(checkpoint).to(target.device)
+        drafter.check_compatible(target)
+    elif init_drafter is not None:
+        drafter = BlockDiffusionDrafter.from_pretrained(init_drafter, dtype=torch.float32).to(target.device)
         drafter.check_compatible(target)
     else:
         vocab = vocab_from_data(draft_vocab_size) if draft_vocab_size else None
