@@ -228,6 +228,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         raise SystemExit(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
     policy, report = train_policy(records, candidates, manifest["feature_layers"], target, drafter, config, cost)
     policy.save_pretrained(args.output)
+    policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
     (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
     if cost is not None:

@@ -101,10 +101,14 @@ class BlockPilotPolicy(
         self.drafter_name = drafter_name
         self.drafter_fingerprint = drafter_fingerprint
         feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_SCALAR_FEATURES
-        self.input_norm = nn.LayerNorm(feature_dim)
+        # LayerNorm over the hidden-state features only: the O(1) scalars (the temperature among them) would
+        # vanish next to the hidden states' outlier dimensions; they join the network as they are.
+        self.input_norm = nn.LayerNorm(feature_dim - NUM_SCALAR_FEATURES)
         self.net = nn.Sequential(
             nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
         )
+        # a linear path from the scalars to the choice: the temperature's effect is easy to learn from few prompts
+        self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
 
         self.training_loss = training_loss
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
@@ -131,7 +135,9 @@ class BlockPilotPolicy(
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over `candidates` for (batch, D) features."""
-        return self.net(self.input_norm(features.to(self.input_norm.weight.dtype)))
+        features = features.to(self.input_norm.weight.dtype)
+        hidden, scalars = features[:, :-NUM_SCALAR_FEATURES], features[:, -NUM_SCALAR_FEATURES:]
+        return self.net(torch.cat([self.input_norm(hidden), scalars], dim=-1)) + self.scalar_head(scalars)
 
     @torch.no_grad()
     def choose_block_size(

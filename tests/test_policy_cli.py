@@ -38,6 +38,8 @@ def test_collect_train_evaluate(tmp_path, capsys):
     policy_dir = tmp_path / "policy"
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(tmp_path / "sub"), "--candidates", "3", "6"]) == 0
     assert BlockPilotPolicy.from_pretrained(tmp_path / "sub").candidates == [3, 6]
+    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(tmp_path / "sub")]) == 0
+    assert "| candidate block sizes | 1, 3, 6 (1 = speculation off) |" in (tmp_path / "sub" / "README.md").read_text()
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(policy_dir)]) == 0
     policy = BlockPilotPolicy.from_pretrained(policy_dir)
     assert policy.candidates == [1, 3, 6] and policy.feature_layers == [1, 3]
@@ -61,7 +63,7 @@ def test_collect_shards_over_processes(tmp_path, monkeypatch):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     args = ["collect", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
             "--output-dir", str(tmp_path / "labels"), "--num-prompts", "7", "--candidates", "1", "4",
-            "--feature-layers", "1", "--max-new-tokens", "8", "--no-cost-model"]
+            "--feature-layers", "1", "--max-new-tokens", "8", "--no-cost-model", "--temperatures", "0"]
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")

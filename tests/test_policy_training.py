@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import make_drafter, make_target
@@ -42,6 +44,12 @@ def test_objectives_and_the_cost_model():
     assert values == pytest.approx([1000 * record.tau[1] / 50, 1000 * record.tau[4] / 110, 1000 * record.tau[8] / 140])
     with pytest.raises(ValueError, match="cost model"):
         objective_values(record, CANDIDATES, "throughput", None)
+    cost.sampling_row_ms = 2.0  # at T>0 a round of b also handles 2b - 1 sampled rows
+    assert objective_values(record, CANDIDATES, "throughput", cost) == pytest.approx(values)
+    hot = replace(record, temperature=1.0)
+    assert objective_values(hot, CANDIDATES, "throughput", cost) == pytest.approx(
+        [1000 * record.tau[1] / 52, 1000 * record.tau[4] / 124, 1000 * record.tau[8] / 170]
+    )
 
 
 def test_evaluate_choices_by_hand():
@@ -75,6 +83,7 @@ def test_measure_cost_model_on_a_tiny_pair():
     assert set(cost.target_ms) == {1, 4} and set(cost.drafter_ms) == {4}
     assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
     assert cost.round_ms(1) == cost.target_ms[1]
+    assert cost.sampling_row_ms > 0 and cost.round_ms(4, temperature=1.0) == cost.round_ms(4) + 7 * cost.sampling_row_ms
 
 
 def test_compare_objectives_shows_where_they_disagree():
@@ -92,8 +101,6 @@ def test_compare_objectives_shows_where_they_disagree():
 def test_policy_learns_a_temperature_dependent_choice():
     """Every prompt labelled at T=0 and T=1 (features equal but for the temperature): long blocks pay greedily,
     short ones when sampling. The split keeps a prompt's labels together; the report is also given per T."""
-    from dataclasses import replace
-
     from hf_blockpilot.training.policy_training import split_by_prompt
 
     records = []

@@ -17,20 +17,25 @@ from transformers import DynamicCache, PreTrainedModel
 from ..cpu_kernels import skinny_linear, skinny_linears
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
-from .oracle import OracleRecord
+from .oracle import OracleRecord, sampling_processors
 
 
 @dataclass
 class CostModel:
-    """Latency (ms) of one verify round per block size: a target forward over b tokens + a drafter forward."""
+    """Latency (ms) of one verify round per block size: a target forward over b tokens + a drafter forward,
+    plus, when sampling, the work on vocabulary-sized rows of logits (processors, softmax, draws)."""
 
     target_ms: dict[int, float]
     drafter_ms: dict[int, float]
     device: str = "cpu"
     context_tokens: int = 0
+    sampling_row_ms: float = 0.0  # logits processors + softmax + one draw on one vocabulary-sized row, at T>0
 
-    def round_ms(self, block_size: int) -> float:
-        return self.target_ms[block_size] + (self.drafter_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
+    def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
+        """At T>0 a round handles 2b - 1 rows: b - 1 drafts are processed and drawn, the target's b rows are
+        processed and its acceptance test takes softmaxes of both (plain sampling: one row per token)."""
+        ms = self.target_ms[block_size] + (self.drafter_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
+        return ms + (2 * block_size - 1) * self.sampling_row_ms if temperature > 0 else ms
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -64,7 +69,8 @@ def measure_cost_model(
     context_tokens: int = 256,
     repeats: int = 5,
 ) -> CostModel:
-    """Time target and drafter forwards for each block size over a `context_tokens`-long cached context.
+    """Time target and drafter forwards for each block size over a `context_tokens`-long cached context, and
+    the sampling work on one row of logits (the target's own sampling processors at T=1).
 
     Timed as `generate` runs them in this package's tools: under `skinny_linears` (see `cpu_kernels`).
     """
@@ -114,7 +120,15 @@ def _measure_cost_model(
                 skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
 
             drafter_ms[b] = _median_ms(draft, repeats, device)
-    return CostModel(target_ms, drafter_ms, device=str(device), context_tokens=context_tokens)
+    processors = sampling_processors(target, context, temperature=1.0)
+    row = torch.randn(1, vocab, device=device)
+
+    def sample_row() -> None:
+        torch.multinomial(processors(context, row.clone()).softmax(dim=-1), num_samples=1)
+
+    sampling_row_ms = _median_ms(sample_row, repeats, device)
+    return CostModel(target_ms, drafter_ms, device=str(device), context_tokens=context_tokens,
+                     sampling_row_ms=sampling_row_ms)
 
 
 def objective_values(record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None) -> list[float]:
@@ -123,7 +137,7 @@ def objective_values(record: OracleRecord, candidates: Sequence[int], objective:
         return [record.tau[b] for b in candidates]
     if cost is None:
         raise ValueError("the `throughput` objective needs a cost model (hf-blockpilot collect measures one)")
-    return [1000.0 * record.tau[b] / cost.round_ms(b) for b in candidates]
+    return [1000.0 * record.tau[b] / cost.round_ms(b, record.temperature) for b in candidates]
 
 
 @dataclass
