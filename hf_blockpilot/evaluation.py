@@ -131,7 +131,10 @@ def decode_methods(
     try:
         for record in tqdm(prompts, desc="decoding", unit="prompt"):
             input_ids = chat_inputs(tokenizer, record.prompt, target.device)
-            timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)  # warm-up
+            # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
+            timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)
+            drafter.set_policy(policy)
+            timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False)
             plain = None
             for name, block_size in methods:
                 runs = []

@@ -1,11 +1,14 @@
-"""`measure_tau` pools the real decoding statistics of every prompt and block size."""
+"""`measure_tau` pools the real decoding statistics; `decode_methods` times only warmed-up paths."""
 
 from __future__ import annotations
 
+import time
+
+import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
 from hf_blockpilot.datasets import PromptRecord
-from hf_blockpilot.evaluation import chat_inputs, measure_tau
+from hf_blockpilot.evaluation import chat_inputs, decode_methods, measure_tau
 
 
 def test_measure_tau_pools_the_generators_statistics():
@@ -35,3 +38,38 @@ def test_measure_tau_pools_the_generators_statistics():
         assert report.tau[b] == tokens / forwards
         assert report.acceptance_length[b] == committed / rounds
     assert 1.5 < report.tau[2] < 2.0 and report.tau[4] >= 3.0
+
+
+class _SlowFirstCallPolicy(torch.nn.Module):
+    """Picks b = 2; its first call takes 0.3 s, like lazy kernel set-up on a fresh CUDA context."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def check_compatible(self, target, drafter):
+        pass
+
+    def choose_block_size(self, prefill_outputs, target_head, temperature):
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(0.3)
+        return 2, None
+
+
+def test_decode_methods_warms_up_the_policy_path_before_timing():
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    tokenizer = char_tokenizer(48)
+    prompts = [PromptRecord("p0", "toy", "abcab")]
+    expected = target.generate(chat_inputs(tokenizer, prompts[0].prompt, "cpu"), max_new_tokens=6, do_sample=False)
+    drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, expected, error_rate=0.3)
+    policy = _SlowFirstCallPolicy()
+    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(4,), policy=policy,
+                             max_new_tokens=6, repeats=1)
+
+    timed = [r for r in results if r.method == "policy"]
+    assert policy.calls == 2  # warm-up + the timed run
+    assert len(timed) == 1 and timed[0].block_size == 2 and timed[0].policy_seconds < 0.1
+    assert drafter.policy is None and drafter.block_size == 4  # restored
