@@ -220,7 +220,14 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     labels = Path(args.labels)
     manifest = json.loads((labels / "manifest.json").read_text())
     records = read_oracle_labels(labels)
-    cost = CostModel.load(labels / "cost_model.json") if (labels / "cost_model.json").exists() else None
+    cost_path = Path(args.cost_model) if args.cost_model else labels / "cost_model.json"
+    if args.cost_model and not cost_path.is_file():
+        raise SystemExit(f"no cost model at {cost_path}: measure one with `hf-blockpilot measure-cost --output {cost_path}`")
+    cost = CostModel.load(cost_path) if cost_path.exists() else None
+    missing_costs = sorted(set(args.candidates or manifest["candidates"]) - set(cost.target_ms)) if cost else []
+    if missing_costs:
+        raise SystemExit(f"the cost model {cost_path} has no latency for block sizes {missing_costs}; measure them "
+                         "with `hf-blockpilot measure-cost --candidates ...` or pass --candidates without them")
     config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed)
     candidates = args.candidates or manifest["candidates"]
     missing = sorted(set(candidates) - set(manifest["candidates"]))
@@ -239,6 +246,21 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         for name, row in comparison.items():
             print(f"labels by {name}: best fixed b={row['best_fixed_b']}, oracle {row['oracle_tokens_per_second']:.1f} "
                   f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), oracle b counts {row['oracle_counts']}")
+    return 0
+
+
+def cmd_measure_cost(args: argparse.Namespace) -> int:
+    from .training.policy_training import measure_cost_model
+
+    target, _, drafter = _load(args)
+    sizes = sorted(set(args.candidates) | {1})  # b = 1 (a plain step) is the reference
+    cost = measure_cost_model(target, drafter, sizes, args.context_tokens, args.repeats)
+    cost.save(args.output)
+    plain = cost.round_ms(1)
+    for b in sizes:
+        print(f"b={b}: round {cost.round_ms(b):.2f} ms = {cost.round_ms(b) / plain:.2f} plain steps "
+              f"(at T>0: {cost.round_ms(b, 1.0):.2f} ms)")
+    print(f"cost model written to {args.output}")
     return 0
 
 
@@ -386,8 +408,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, nargs="+", default=None, help="a subset of the collected block sizes")
     p.add_argument("--loss", choices=["regret", "ce"], default="regret")
     p.add_argument("--objective", choices=["throughput", "acceptance"], default="throughput")
+    p.add_argument("--cost-model", default=None,
+                   help="a cost_model.json measured on the device you serve on (`hf-blockpilot measure-cost`); "
+                        "default: the one `collect` measured in --labels")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_policy)
+
+    p = sub.add_parser("measure-cost", help="time verify rounds per block size on this device (a policy's cost model)")
+    _add_model_args(p)
+    p.add_argument("--output", required=True, help="where to write cost_model.json")
+    p.add_argument("--candidates", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 20])
+    p.add_argument("--context-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per block size (median; raise on noisy hosts)")
+    p.set_defaults(func=cmd_measure_cost)
 
     p = sub.add_parser("evaluate-policy", help="real decoding with the policy vs each fixed b and the oracle")
     _add_model_args(p)

@@ -72,3 +72,38 @@ def test_collect_shards_over_processes(tmp_path, monkeypatch):
     assert len(shards[0]) == 4 and len(shards[1]) == 3
     assert not set(shards[0]) & set(shards[1])
     assert len(read_oracle_labels(tmp_path / "labels")) == 7
+
+
+def test_measure_cost_and_train_policy_with_a_cost_model_from_another_device(tmp_path, capsys):
+    """`measure-cost` writes a cost model; `train-policy --cost-model` scores the labels with it instead."""
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
+    labels = tmp_path / "labels"
+    assert main(["collect", *models, "--output-dir", str(labels), "--num-prompts", "10", "--candidates", "1", "3", "6",
+                 "--feature-layers", "1", "--max-new-tokens", "12", "--no-cost-model", "--temperatures", "0"]) == 0
+    assert not (labels / "cost_model.json").exists()
+
+    measured = tmp_path / "cost.json"
+    assert main(["measure-cost", *models, "--output", str(measured), "--candidates", "3", "6", "--repeats", "2"]) == 0
+    cost = json.loads(measured.read_text())
+    assert set(cost["target_ms"]) == {"1", "3", "6"} and set(cost["drafter_ms"]) == {"3", "6"}
+    assert cost["device"] == "cpu" and all(ms > 0 for ms in cost["target_ms"].values())
+    assert "b=6: round" in capsys.readouterr().out
+
+    # a device where a 6-token round is nearly free: every prompt's throughput oracle becomes b = 6
+    fake = {**cost, "device": "fake-gpu", "target_ms": {"1": 30.0, "3": 30.0, "6": 1e-3}, "drafter_ms": {"3": 1.0, "6": 1e-3}}
+    (tmp_path / "fake.json").write_text(json.dumps(fake))
+    out = tmp_path / "policy"
+    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model",
+                 str(tmp_path / "fake.json")]) == 0
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["cost_model_device"] == "fake-gpu" and report["best_fixed_b"] == 6
+    assert set(report["oracle_counts"]) == {"1", "3", "6"} and report["oracle_counts"]["6"] == report["validation_prompts"]
+    assert "round latencies measured on fake-gpu" in (out / "README.md").read_text()
+
+    with pytest.raises(SystemExit, match="measure-cost"):
+        main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model", str(tmp_path / "no.json")])
+    (tmp_path / "partial.json").write_text(json.dumps({**fake, "target_ms": {"1": 30.0, "3": 30.0}}))
+    with pytest.raises(SystemExit, match=r"no latency for block sizes \[6\]"):
+        main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model",
+              str(tmp_path / "partial.json")])

@@ -6,9 +6,10 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +49,23 @@ class CostModel:
         return cls(**raw)
 
 
-def _median_ms(fn, repeats: int, device: torch.device) -> float:
-    times = []
+def _interleaved_median_ms(fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device) -> dict[Any, float]:
+    """Median wall time (ms) of each function over `repeats` rounds, each round calling every function once.
+
+    Interleaving makes slow periods of a noisy host (other processes, clock changes) hit every block size
+    alike instead of biasing whichever was timed then; the first round is warm-up.
+    """
+    times: dict[Any, list[float]] = {key: [] for key in fns}
     for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times[1:])  # first call is warm-up
+        for key, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[key].append(1000 * (time.perf_counter() - start))
+    return {key: statistics.median(t[1:]) for key, t in times.items()}
 
 
 @torch.inference_mode()
@@ -89,46 +96,57 @@ def _measure_cost_model(
     hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
     head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
     embed = target.get_input_embeddings()
-    target_ms, drafter_ms = {}, {}
-    for b in block_sizes:
+
+    def verify(b: int) -> Callable[[], None]:
         block = torch.randint(0, vocab, (1, b), device=device)
 
-        def verify() -> None:
+        def run() -> None:
             target(block, past_key_values=prefix, output_hidden_states=True)
             prefix.crop(-b)  # negative = tokens to remove, on every Transformers 5.x
 
-        target_ms[b] = _median_ms(verify, repeats, device)
-        if b > 1:
-            cache = DraftContextCache()
-            drafter(
-                block_embeds=embed(block[:, :0]),
-                block_position_ids=torch.zeros((1, 0), dtype=torch.long, device=device),
-                target_hidden=hidden,
-                context_position_ids=torch.arange(context_tokens, device=device)[None],
+        return run
+
+    def draft(b: int) -> Callable[[], None]:
+        block = torch.randint(0, vocab, (1, b), device=device)
+        cache = DraftContextCache()
+        drafter(
+            block_embeds=embed(block[:, :0]),
+            block_position_ids=torch.zeros((1, 0), dtype=torch.long, device=device),
+            target_hidden=hidden,
+            context_position_ids=torch.arange(context_tokens, device=device)[None],
+            cache=cache,
+        )
+        positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
+
+        def run() -> None:
+            h = drafter(
+                block_embeds=embed(block),
+                block_position_ids=positions,
+                target_hidden=hidden[:, :0],
+                context_position_ids=positions[:, :0],
                 cache=cache,
-            )
-            positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
+            ).last_hidden_state
+            skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
 
-            def draft() -> None:
-                h = drafter(
-                    block_embeds=embed(block),
-                    block_position_ids=positions,
-                    target_hidden=hidden[:, :0],
-                    context_position_ids=positions[:, :0],
-                    cache=cache,
-                ).last_hidden_state
-                skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
+        return run
 
-            drafter_ms[b] = _median_ms(draft, repeats, device)
     processors = sampling_processors(target, context, temperature=1.0)
     row = torch.randn(1, vocab, device=device)
 
     def sample_row() -> None:
         torch.multinomial(processors(context, row.clone()).softmax(dim=-1), num_samples=1)
 
-    sampling_row_ms = _median_ms(sample_row, repeats, device)
-    return CostModel(target_ms, drafter_ms, device=str(device), context_tokens=context_tokens,
-                     sampling_row_ms=sampling_row_ms)
+    fns: dict[Any, Callable[[], None]] = {("target", b): verify(b) for b in block_sizes}
+    fns.update({("drafter", b): draft(b) for b in block_sizes if b > 1})
+    fns["sampling_row"] = sample_row
+    ms = _interleaved_median_ms(fns, repeats, device)
+    return CostModel(
+        target_ms={b: ms[("target", b)] for b in block_sizes},
+        drafter_ms={b: ms[("drafter", b)] for b in block_sizes if b > 1},
+        device=str(device),
+        context_tokens=context_tokens,
+        sampling_row_ms=ms["sampling_row"],
+    )
 
 
 def objective_values(record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None) -> list[float]:
@@ -170,6 +188,7 @@ class PolicyReport:
     objective: str = "throughput"
     validation_prompts: int = 0
     by_temperature: dict[str, dict] = field(default_factory=dict)  # the same metrics per label temperature
+    cost_model_device: str = ""  # where the throughput objective's round latencies were measured
 
 
 def split_by_prompt(records: Sequence[OracleRecord], fraction: float, seed: int) -> tuple[list, list]:
@@ -271,6 +290,8 @@ def train_policy(
     with torch.no_grad():
         chosen = policy(x_test).argmax(dim=1)
     report = evaluate_choices(v_test, chosen, candidates, config.objective)
+    if cost is not None and config.objective == "throughput":
+        report.cost_model_device = cost.device
     temperatures = torch.tensor([r.temperature for r in test])
     if len(set(temperatures.tolist())) > 1:
         for t in sorted(set(temperatures.tolist())):
