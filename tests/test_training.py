@@ -113,6 +113,7 @@ def test_validation_split_is_held_out_and_tracks_generalisation(tmp_path):
     assert summary["step"] == 120 and summary["val_sequences"] == len(held)
     assert summary["val_loss"] < 0.7 * before["val_loss"]  # the counting rule generalises to unseen starts
     assert summary["val_tau_estimate"] > before["val_tau_estimate"]
+    assert 1.0 <= summary["val_tau_replay"] <= cfg.block_size  # chained rounds, as real decoding runs them
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
     assert [r["step"] for r in log if "val_loss" in r] == [60, 120]
 
@@ -239,3 +240,32 @@ def test_live_hidden_states_match_the_disk_cache(tmp_path):
         torch.testing.assert_close(live_states[row, :n], cached_states[row, :n], rtol=2e-2, atol=2e-2)
         assert not cached_states[row, n:].any()  # the cache pads with zeros
     assert live.train()["step"] == 3 and not (tmp_path / "live" / "hidden").exists()
+
+
+def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
+    """Chained teacher-forced rounds on the target's own greedy response == `generate` with the drafter."""
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 48, (1, 6), generator=g) for _ in range(6)]
+    responses = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=30, do_sample=False) for p in prompts]
+    seqs = [TrainingSequence(f"r/{i}", r[0].tolist(), 6) for i, r in enumerate(responses)]
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    init_drafter_from_target(drafter, target)
+    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=16, sequences_per_step=3, max_steps=80,
+                                learning_rate=1e-2, warmup_steps=5, save_every=1000, bf16=False, validation_fraction=0.0)
+    trainer = DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg)
+    trainer.train()  # learn the target's own outputs, so that rounds accept drafts
+    drafter.eval()
+    accepted_any = False
+    for prompt, response, seq in zip(prompts, responses, seqs):
+        replay = trainer.replay_acceptance(seq, trainer.hidden_states([seq])[0], chunk=5)
+        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter,
+                              max_new_tokens=30, do_sample=False)
+        assert torch.equal(out, response)
+        real = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]  # per target forward after the prefill
+        assert replay[:-1] == real[:-1]  # the last round: generate shortens the block to the tokens left
+        assert sum(replay) == sum(real) == len(seq.input_ids) - 7  # every token but the prefill's
+        accepted_any |= max(real) > 1
+    assert accepted_any

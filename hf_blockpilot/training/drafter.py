@@ -224,14 +224,19 @@ class DrafterTrainer:
         return self.batch_loss([seq], hidden[None], rng)
 
     def batch_loss(
-        self, batch: Sequence[TrainingSequence], hidden: torch.Tensor, rng: random.Random | None = None
+        self,
+        batch: Sequence[TrainingSequence],
+        hidden: torch.Tensor,
+        rng: random.Random | None = None,
+        anchors: Sequence[Sequence[int]] | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """Weighted block-diffusion loss over the blocks of a batch of sequences, in one drafter forward.
 
         Each sequence gets up to `anchors_per_sequence` random anchors (drawn from `rng`, default the
-        trainer's); sequences with fewer candidates repeat their first anchor in blocks that carry no loss.
-        `hidden` is (len(batch), >= longest, layers * hidden), right-padded: a block only sees context before
-        its anchor, so padding is never attended. Returns the loss and per-block slot accuracy counts.
+        trainer's), or the given `anchors` (one sorted list per sequence); sequences with fewer anchors repeat
+        their first one in blocks that carry no loss. `hidden` is (len(batch), >= longest, layers * hidden),
+        right-padded: a block only sees context before its anchor, so padding is never attended. Returns the
+        loss and per-block slot accuracy counts.
         """
         b, cfg = self.config.block_size, self.config
         rng = rng or self.rng
@@ -241,6 +246,9 @@ class DrafterTrainer:
         anchor_rows, block_valid = [], []
         for row, seq in enumerate(batch):
             ids[row, : lengths[row]] = torch.tensor(seq.input_ids)
+            if anchors is not None:
+                anchor_rows.append(list(anchors[row]))
+                continue
             candidates = range(seq.response_start - 1, lengths[row] - 1)  # anchors whose slot 1 has a label
             chosen = sorted(rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates))))
             anchor_rows.append(chosen)
@@ -321,6 +329,29 @@ class DrafterTrainer:
         return {**summary, **evaluation}
 
     @torch.no_grad()
+    def replay_acceptance(self, seq: TrainingSequence, hidden: torch.Tensor, chunk: int = 64) -> list[int]:
+        """Tokens committed per round of greedy speculative decoding along `seq`'s response at this block size.
+
+        Drafts from every response position are scored (in chunks of `chunk` blocks); the rounds are then
+        chained as real decoding chains them (a round anchored at a commits its accepted slots plus the
+        target's token, so the next anchor is a + accepted + 1), starting at the first response token, which
+        the prefill commits. For the target's own greedy response this equals real decoding's acceptance;
+        random anchors (`tau_estimate`) read higher, since real rounds start where the last draft failed.
+        """
+        positions = list(range(seq.response_start, len(seq.input_ids) - 1))
+        correct = []
+        for start in range(0, len(positions), chunk):
+            _, acc = self.batch_loss([seq], hidden[None], anchors=[positions[start : start + chunk]])
+            correct.append(acc["correct"])
+        accepted = torch.cat(correct).int().cumprod(dim=1).sum(dim=1).tolist() if correct else []
+        committed = []
+        anchor = seq.response_start
+        while anchor < len(seq.input_ids) - 1:
+            committed.append(min(accepted[anchor - seq.response_start] + 1, len(seq.input_ids) - 1 - anchor))
+            anchor += committed[-1]
+        return committed
+
+    @torch.no_grad()
     def evaluate(self) -> dict:
         """Loss and τ estimate on the held-out sequences (same anchors every time, so values compare across
         steps); empty when there are none. A validation τ that stops climbing says training has stopped paying."""
@@ -329,19 +360,25 @@ class DrafterTrainer:
         rng = random.Random(self.config.seed + 1)
         self.drafter.eval()
         losses, window = [], []
+        committed = rounds = 0
         try:
             step = self.config.sequences_per_step
             for start in range(0, len(self.validation), step):
                 batch = self.validation[start : start + step]
-                loss, acc = self.batch_loss(batch, self.hidden_states(batch), rng)
+                hidden = self.hidden_states(batch)
+                loss, acc = self.batch_loss(batch, hidden, rng)
                 losses.append(loss.item())
                 window.append(acc)
+                for row, seq in enumerate(batch):
+                    per_round = self.replay_acceptance(seq, hidden[row])
+                    committed, rounds = committed + sum(per_round), rounds + len(per_round)
         finally:
             self.drafter.train()
         summary = accuracy_summary(window)
         return {
             "step": self.step,
             "val_loss": sum(losses) / len(losses),
+            "val_tau_replay": committed / max(rounds, 1),
             "val_tau_estimate": summary["tau_estimate"],
             "val_slot_accuracy": summary["slot_accuracy"],
             "val_sequences": len(self.validation),
