@@ -180,6 +180,15 @@ class BlockPilotPolicy(
                 "the attached one: its block-size choices may be poor (output stays lossless).",
                 stacklevel=3,
             )
+        cost_device = (self.report or {}).get("cost_model_device", "")
+        device = next(target.parameters()).device
+        if cost_device and torch.device(cost_device).type != device.type:
+            warnings.warn(
+                f"this BlockPilot policy weighs block sizes by round latencies measured on {cost_device}, but the "
+                f"target runs on {device.type}: the best block size differs between devices. Re-time them here with "
+                "`hf-blockpilot measure-cost` and retrain with `train-policy --cost-model` (output stays lossless).",
+                stacklevel=3,
+            )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, strict: bool = True, **kwargs: Any):

@@ -197,6 +197,21 @@ def test_attaching_to_another_target_errors_and_another_drafter_warns(target):
         _greedy(target, _prompt(), assistant_model=second)
 
 
+def test_a_policy_tuned_for_another_device_warns(target):
+    import warnings
+
+    drafter = make_drafter(target, block_size=4)
+    policy = make_policy(target, drafter)
+    policy.report = {"cost_model_device": "cpu"}  # the device its training cost model was timed on
+    drafter.set_policy(policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same device: silent
+        _greedy(target, _prompt(), assistant_model=drafter)
+    policy.report = {"cost_model_device": "cuda:0"}
+    with pytest.warns(UserWarning, match="measured on cuda:0, but the target runs on cpu.*measure-cost"):
+        _greedy(target, _prompt(), assistant_model=drafter)
+
+
 def test_bad_candidates_are_rejected(target):
     with pytest.raises(ValueError, match="candidates"):
         make_policy(target, candidates=(0, 4))
