@@ -91,7 +91,8 @@ def test_training_step_lowers_loss_and_resumes(tmp_path):
     assert reloaded.d2t.tolist() == vocab
 
 
-def test_validation_split_is_held_out_and_tracks_generalisation(tmp_path):
+def test_validation_split_is_held_out_and_tracks_generalisation(tmp_path, caplog):
+    caplog.set_level("INFO", logger="hf_blockpilot")
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
     seqs = _periodic_sequences(48, count=12, length=40)
     held = [s.id for s in seqs if is_validation_sequence(s.id, 0.3)]
@@ -114,6 +115,7 @@ def test_validation_split_is_held_out_and_tracks_generalisation(tmp_path):
     assert summary["val_loss"] < 0.7 * before["val_loss"]  # the counting rule generalises to unseen starts
     assert summary["val_tau_estimate"] > before["val_tau_estimate"]
     assert 1.0 <= summary["val_tau_replay"] <= cfg.block_size  # chained rounds, as real decoding runs them
+    assert f"step 120: held-out loss {summary['val_loss']:.3f}" in caplog.text  # shown while training runs
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
     assert [r["step"] for r in log if "val_loss" in r] == [60, 120]
 

@@ -388,6 +388,11 @@ class DrafterTrainer:
         if record:
             with (self.output_dir / LOG_FILE).open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if "val_tau_replay" in record:
+            logger.info(
+                "step %d: held-out loss %.3f, τ %.2f (greedy decoding replayed; random-anchor estimate %.2f)",
+                record["step"], record["val_loss"], record["val_tau_replay"], record["val_tau_estimate"],
+            )
 
     # ----------------------------------------------------------------------------------- checkpointing
     def save(self) -> None:
