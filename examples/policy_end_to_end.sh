@@ -11,6 +11,9 @@ MODEL_ARGS="${MODEL_ARGS:-}"
 #   torchrun --nproc_per_node 2 -m hf_blockpilot collect ...   (or accelerate launch --multi_gpu on GPUs)
 hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels" --dataset stdlib --num-prompts "${NUM_PROMPTS:-200}" \
     --candidates ${CANDIDATES:-1 4 8 12 16 20} --max-new-tokens 128
+# collect timed the cost model on this device; to serve on another one, time it there and pass it on:
+#   hf-blockpilot measure-cost $MODEL_ARGS --device cuda --output cost_cuda.json --candidates $CANDIDATES
+#   hf-blockpilot train-policy ... --cost-model cost_cuda.json
 hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels" --output "$OUT/policy" --loss regret --objective throughput
 hf-blockpilot evaluate-policy $MODEL_ARGS --policy "$OUT/policy" --datasets humaneval mtbench --limit "${LIMIT:-20}" \
     --output "$OUT/evaluation.json"
