@@ -16,7 +16,7 @@ messages = [{"role": "user", "content": "Write a Python function that returns th
 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
 
-with hf_blockpilot.skinny_linears(target, drafter):  # fast few-token verify forwards on CPU (README)
+with hf_blockpilot.cpu_verify_kernels(target, drafter):  # fast few-token verify forwards on CPU (README)
     plain = target.generate(**inputs, max_new_tokens=96, do_sample=False)
     fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False)
 assert torch.equal(plain, fast), "greedy block-diffusion decoding must equal plain generate"

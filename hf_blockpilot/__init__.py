@@ -12,7 +12,14 @@ Importing the package registers the drafter with `AutoConfig`/`AutoModel` and ro
 from transformers import AutoConfig, AutoModel
 
 from .candidate_generator import BlockDiffusionCandidateGenerator, install_generate_routing
-from .cpu_kernels import skinny_linear, skinny_linears, use_skinny_linears
+from .cpu_kernels import (
+    cpu_verify_kernels,
+    grouped_query_attention,
+    skinny_linear,
+    skinny_linears,
+    use_cpu_verify_kernels,
+    use_skinny_linears,
+)
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
@@ -31,7 +38,10 @@ __all__ = [
     "BlockPilotPolicy",
     "SpeculationStats",
     "build_target_layer_ids",
+    "cpu_verify_kernels",
+    "grouped_query_attention",
     "skinny_linear",
     "skinny_linears",
+    "use_cpu_verify_kernels",
     "use_skinny_linears",
 ]

@@ -1,15 +1,25 @@
-"""Faster few-row linear layers on CPU: what makes a verify round cost about one plain step.
+"""Faster few-token forwards on CPU: what makes a verify round cost about one plain step.
 
-Speculative decoding runs the target over a handful of tokens per round. On CPU, PyTorch's default
-`F.linear` (an `x @ W.T` GEMM through MKL) is far slower for 2-32 rows than for one: measured on this
-project's 2-core machine with SmolLM2-135M, one target forward over 4 tokens took 52 ms against 31 ms for
-one token. The same product computed as `(W @ x.T).T` runs at GEMV speed for few rows (4 tokens: 33 ms),
-and is never slower up to 32 rows. `skinny_linears` swaps that formulation into the `nn.Linear` modules of
-the given models for the duration of a block; one row (plain decoding), many rows (prefill), non-CPU tensors
-and dtypes other than float32 keep `F.linear` (in bfloat16 the stock kernel was the faster one here: 1.6 vs
-3.4 ms for the 4-row LM head). The results agree with `F.linear` to float rounding.
+Speculative decoding runs the target over a handful of tokens per round; two stock CPU paths make such a
+forward far dearer than a one-token step, and `cpu_verify_kernels` replaces both for the duration of a block:
 
-    with hf_blockpilot.skinny_linears(target, drafter):
+- **Linear layers.** PyTorch's `F.linear` (an `x @ W.T` GEMM through MKL) is far slower for 2-32 rows than for
+  one: measured on this project's 2-core machine with SmolLM2-135M, one target forward over 4 tokens took 52 ms
+  against 31 ms for one token. The same product computed as `(W @ x.T).T` (`skinny_linear`) runs at GEMV speed
+  for few rows (4 tokens: 33 ms). One row (plain decoding), many rows (prefill), non-CPU tensors and dtypes
+  other than float32 keep `F.linear` (in bfloat16 the stock kernel was the faster one there: 1.6 vs 3.4 ms for
+  the 4-row LM head).
+- **Attention with grouped key/value heads** (GQA: SmolLM2, Llama 3, Qwen3). For more than one query with a
+  mask, Transformers' SDPA path copies every cached key and value `num_key_value_groups` times and PyTorch then
+  falls back to its math kernel, which scales another copy of the keys: work and fresh memory that grow with
+  the context, paid in every layer of every verify round, while a one-token step needs none of it. Measured on
+  a 2-core AMD EPYC with SmolLM2-135M: a 4-token forward cost 1.15 / 1.35 / 1.9 plain steps at 256 / 1,024 /
+  2,048 context tokens. `grouped_query_attention` stacks the query heads that share a key/value head as extra
+  query rows instead, so nothing is repeated: 1.0 / 1.0 / 1.06 plain steps.
+
+Both agree with the stock kernels to float rounding.
+
+    with hf_blockpilot.cpu_verify_kernels(target, drafter):
         target.generate(**inputs, assistant_model=drafter)
 """
 
@@ -18,13 +28,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-#: Up to this many rows `(W @ x.T).T` was measured faster than `F.linear` on CPU (and never slower).
+from .attention import grouped_sdpa
+
+#: Up to this many rows `(W @ x.T).T` was measured faster than `F.linear` on CPU (and never slower); the grouped
+#: attention serves the same range of query lengths.
 SKINNY_MAX_ROWS = 32
+
+#: The name `grouped_query_attention` is registered under in Transformers' attention (and mask) interfaces.
+GROUPED_QUERY_ATTENTION = "hf_blockpilot_grouped_sdpa"
 
 
 def skinny_linear(
@@ -68,6 +88,84 @@ def use_skinny_linears(*models: nn.Module, max_rows: int = SKINNY_MAX_ROWS) -> C
 def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_MAX_ROWS) -> Iterator[None]:
     """Within the block, the `nn.Linear` layers of `models` use `skinny_linear` (see the module docstring)."""
     undo = use_skinny_linears(*models, max_rows=max_rows)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def grouped_query_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' SDPA attention function, with 2..`SKINNY_MAX_ROWS` masked queries on CPU computed per
+    key/value head (`grouped_sdpa`), so the cached keys/values are used as they are. Anything else goes to
+    Transformers' own `sdpa_attention_forward`."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_len = query.shape[2]
+    stock = (
+        query.device.type != "cpu"
+        or groups == 1
+        or not 1 < q_len <= SKINNY_MAX_ROWS
+        or attention_mask is None  # causal prefill: stock SDPA's `is_causal` path
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1  # a mask per head
+        or dropout
+        or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))
+    )
+    if stock:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = grouped_sdpa(query, key, value, attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_QUERY_ATTENTION, grouped_query_attention)
+AttentionMaskInterface.register(GROUPED_QUERY_ATTENTION, sdpa_mask)  # the masks SDPA gets
+
+
+def use_grouped_query_attention(*models: nn.Module) -> Callable[[], None]:
+    """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention`;
+    returns the function that switches them back. Other models (eager, flash, a drafter) are left alone."""
+    switched = [
+        model
+        for model in models
+        if isinstance(model, PreTrainedModel)
+        and getattr(model.config, "_attn_implementation", None) == "sdpa"
+        and model._can_set_attn_implementation()  # its attention goes through `AttentionInterface`
+    ]
+    for model in switched:
+        model.set_attn_implementation(GROUPED_QUERY_ATTENTION)
+
+    def undo() -> None:
+        for model in switched:
+            model.set_attn_implementation("sdpa")
+
+    return undo
+
+
+def use_cpu_verify_kernels(*models: nn.Module) -> Callable[[], None]:
+    """`use_skinny_linears` and `use_grouped_query_attention` on `models`; returns the function that undoes both."""
+    undo_linears = use_skinny_linears(*models)
+    undo_attention = use_grouped_query_attention(*models)
+
+    def undo() -> None:
+        undo_attention()
+        undo_linears()
+
+    return undo
+
+
+@contextmanager
+def cpu_verify_kernels(*models: nn.Module) -> Iterator[None]:
+    """Within the block, `models` run few-token forwards with `skinny_linear` and `grouped_query_attention`
+    (see the module docstring); one-token steps, prefills and non-CPU tensors keep the stock kernels."""
+    undo = use_cpu_verify_kernels(*models)
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
-from .cpu_kernels import skinny_linears
+from .cpu_kernels import cpu_verify_kernels
 from .evaluation import chat_inputs
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
@@ -114,7 +114,7 @@ def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draf
     import gradio as gr
 
     def run(prompt: str, max_new_tokens: int):
-        with skinny_linears(target, drafter):  # both sides get the CPU few-row kernels, as in timed_generate
+        with cpu_verify_kernels(target, drafter):  # both sides get the CPU few-token kernels, as in timed_generate
             yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens))
 
     with gr.Blocks(title="hf-blockpilot") as demo:

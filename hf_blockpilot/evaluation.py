@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .cpu_kernels import skinny_linears
+from .cpu_kernels import cpu_verify_kernels
 from .datasets import PromptRecord
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
@@ -31,12 +31,12 @@ def timed_generate(
 ) -> tuple[torch.Tensor, float]:
     """`generate` with wall time (device synchronised); `drafter=None` runs plain decoding.
 
-    Both run under `skinny_linears` (faster few-token forwards on CPU; one-token steps are unchanged).
+    Both run under `cpu_verify_kernels` (faster few-token forwards on CPU; one-token steps are unchanged).
     """
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with skinny_linears(target, *([drafter] if drafter is not None else [])):
+    with cpu_verify_kernels(target, *([drafter] if drafter is not None else [])):
         out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter, **kwargs)
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()

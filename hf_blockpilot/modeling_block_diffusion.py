@@ -10,16 +10,15 @@ LM head: it borrows the target's.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from .attention import grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 
 
@@ -34,29 +33,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-@dataclass
 class DraftContextCache:
     """Per-layer keys/values of the target context the drafter has already seen.
 
     Only context K/V is kept (each verified token's K/V is computed once); the block's own K/V is
-    recomputed every draft and never stored.
+    recomputed every draft and never stored. Storage grows geometrically and new entries are written in
+    place, so a round copies only its new tokens, not the whole context.
     """
 
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self) -> None:
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._lengths: list[int] = []  # tokens stored per layer
 
     def get_seq_length(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
+        return self._lengths[0] if self._lengths else 0
 
-    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new context K/V for `layer_idx` and return the layer's full context K/V."""
-        if layer_idx == len(self.keys):
-            self.keys.append(key)
-            self.values.append(value)
-        else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-2)
-        return self.keys[layer_idx], self.values[layer_idx]
+    def update(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        block_key: torch.Tensor | None = None,
+        block_value: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new context K/V (batch, kv_heads, new, head_dim) for `layer_idx`; return the layer's context
+        K/V followed by `block_key`/`block_value` if given (written after the context but not kept: the next
+        update overwrites them). The results are views of the storage, valid until the next update."""
+        if layer_idx == len(self._keys):
+            self._keys.append(key.new_empty(*key.shape[:-2], 0, key.shape[-1]))
+            self._values.append(value.new_empty(*value.shape[:-2], 0, value.shape[-1]))
+            self._lengths.append(0)
+        start = self._lengths[layer_idx]
+        end = start + key.shape[-2]
+        total = end + (0 if block_key is None else block_key.shape[-2])
+        if total > self._keys[layer_idx].shape[-2]:
+            capacity = max(total, 2 * self._keys[layer_idx].shape[-2], 64)
+            self._keys[layer_idx] = self._grow(self._keys[layer_idx], start, capacity)
+            self._values[layer_idx] = self._grow(self._values[layer_idx], start, capacity)
+        self._keys[layer_idx][..., start:end, :] = key
+        self._values[layer_idx][..., start:end, :] = value
+        if block_key is not None:
+            self._keys[layer_idx][..., end:total, :] = block_key
+            self._values[layer_idx][..., end:total, :] = block_value
+        self._lengths[layer_idx] = end
+        return self._keys[layer_idx][..., :total, :], self._values[layer_idx][..., :total, :]
+
+    @staticmethod
+    def _grow(stored: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+        grown = stored.new_empty(*stored.shape[:-2], capacity, stored.shape[-1])
+        grown[..., :length, :] = stored[..., :length, :]
+        return grown
 
 
 class BlockDiffusionAttention(nn.Module):
@@ -98,16 +125,12 @@ class BlockDiffusionAttention(nn.Module):
         query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
         query = apply_rotary(query.transpose(1, 2), *block_rotary)
         key_ctx, value_ctx = self._keys_values(context, context_rotary)
-        if cache is not None:
-            key_ctx, value_ctx = cache.update(self.layer_idx, key_ctx, value_ctx)
         key_blk, value_blk = self._keys_values(hidden_states, block_rotary)
-        key = torch.cat([key_ctx, key_blk], dim=-2)
-        value = torch.cat([value_ctx, value_blk], dim=-2)
-        if self.num_kv_heads != self.num_heads:
-            repeats = self.num_heads // self.num_kv_heads
-            key = key.repeat_interleave(repeats, dim=1)
-            value = value.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
+        if cache is None:
+            key, value = torch.cat([key_ctx, key_blk], dim=-2), torch.cat([value_ctx, value_blk], dim=-2)
+        else:
+            key, value = cache.update(self.layer_idx, key_ctx, value_ctx, key_blk, value_blk)
+        out = grouped_sdpa(query, key, value, attention_mask, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 

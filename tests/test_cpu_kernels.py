@@ -1,4 +1,5 @@
-"""`skinny_linear(s)`: same numbers as `F.linear`, the few-row path really taken, patching undone, lossless."""
+"""CPU verify kernels: `skinny_linear(s)` and `grouped_query_attention` give the stock numbers, take their fast
+paths exactly where meant, are undone on exit, and leave decoding lossless."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch.nn.functional as F
 from conftest import make_drafter, make_target
 from torch import nn
 
-from hf_blockpilot import cpu_kernels, skinny_linear, skinny_linears, use_skinny_linears
+from transformers import DynamicCache
+
+from hf_blockpilot import cpu_kernels, cpu_verify_kernels, skinny_linear, skinny_linears, use_skinny_linears
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 5, 24), (3, 4, 24), (32, 24), (40, 24), (0, 24)])
@@ -61,28 +64,75 @@ def test_patching_only_plain_linears_and_undoing_it():
     assert "forward" not in net.a.__dict__
 
 
-def test_greedy_speculative_output_unchanged_under_skinny_linears():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_grouped_query_attention_matches_stock_sdpa_and_takes_its_path_only_for_masked_few_tokens(family, monkeypatch):
+    target = make_target(family, vocab_size=48, hidden_size=64, seed=1)  # 4 query heads over 2 key/value heads
+    calls = []
+    stock = cpu_kernels.sdpa_attention_forward
+    monkeypatch.setattr(cpu_kernels, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or stock(*a, **k))
+    gen = torch.Generator().manual_seed(2)
+    prompt, block = torch.randint(3, 48, (1, 20), generator=gen), torch.randint(3, 48, (1, 5), generator=gen)
+    with torch.no_grad():
+        cache = DynamicCache()
+        target(prompt, past_key_values=cache)
+        expected = target(block, past_key_values=cache).logits
+        cache.crop(-5)
+        one_token = target(block[:, :1], past_key_values=cache).logits
+        cache.crop(-1)
+        with cpu_verify_kernels(target):
+            assert target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
+            assert target(block[:, :1], past_key_values=cache).logits.equal(one_token)  # one token: stock path
+            cache.crop(-1)
+            calls.clear()
+            got = target(block, past_key_values=cache).logits
+            assert calls == []  # 5 masked queries: grouped path in every layer
+            target(prompt)
+            assert calls == [20] * target.config.num_hidden_layers  # a causal prefill (no mask): stock path
+    assert target.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_verify_kernels_leave_drafters_and_non_sdpa_models_alone():
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=3)
+    eager = make_target("llama", vocab_size=48, hidden_size=64, seed=3)
+    eager.set_attn_implementation("eager")
+    drafter = make_drafter(target)
+    before = drafter.config._attn_implementation
+    with cpu_verify_kernels(target, eager, drafter):
+        assert target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
+        assert eager.config._attn_implementation == "eager" and drafter.config._attn_implementation == before
+        assert "forward" in drafter.fc.__dict__  # the drafter's linears are patched
+    assert target.config._attn_implementation == "sdpa" and "forward" not in drafter.fc.__dict__
+
+
+@pytest.mark.parametrize("kernels", [skinny_linears, cpu_verify_kernels])
+def test_greedy_speculative_output_unchanged_under_cpu_kernels(kernels):
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=3)
     for case, block_size in enumerate((2, 5, 16)):
         drafter = make_drafter(target, seed=case, block_size=block_size)
         prompt = torch.randint(3, 48, (1, 9 + case), generator=torch.Generator().manual_seed(case))
         kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
         expected = target.generate(prompt, **kwargs)
-        with skinny_linears(target, drafter):
+        with kernels(target, drafter):
             assert torch.equal(target.generate(prompt, **kwargs), expected)
             assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
 
 
-def test_timed_generate_runs_both_methods_under_skinny_linears():
+def test_timed_generate_runs_both_methods_under_cpu_verify_kernels():
     from hf_blockpilot.evaluation import timed_generate
 
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=4)
     drafter = make_drafter(target, block_size=4)
     seen = []
-    target.register_forward_pre_hook(lambda module, args: seen.append("forward" in target.lm_head.__dict__))
+    target.register_forward_pre_hook(
+        lambda module, args: seen.append(
+            "forward" in target.lm_head.__dict__
+            and target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
+        )
+    )
     prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(0))
     for assistant in (None, drafter):
         seen.clear()
         timed_generate(target, prompt, assistant, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert seen and all(seen)
-    assert "forward" not in target.lm_head.__dict__
+    assert "forward" not in target.lm_head.__dict__ and target.config._attn_implementation == "sdpa"

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cpu_kernels import skinny_linear, skinny_linears
+from ..cpu_kernels import cpu_verify_kernels, skinny_linear
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
 from .oracle import OracleRecord, sampling_processors
@@ -79,9 +79,9 @@ def measure_cost_model(
     """Time target and drafter forwards for each block size over a `context_tokens`-long cached context, and
     the sampling work on one row of logits (the target's own sampling processors at T=1).
 
-    Timed as `generate` runs them in this package's tools: under `skinny_linears` (see `cpu_kernels`).
+    Timed as `generate` runs them in this package's tools: under `cpu_verify_kernels` (see `cpu_kernels`).
     """
-    with skinny_linears(target, drafter):
+    with cpu_verify_kernels(target, drafter):
         return _measure_cost_model(target, drafter, block_sizes, context_tokens, repeats)
 
 

@@ -1,0 +1,64 @@
+"""`grouped_sdpa` equals attention over repeated key/value heads; the drafter's context cache keeps incremental
+drafting equal to one uncached forward, and writes rounds in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_drafter, make_target
+
+from hf_blockpilot.attention import grouped_sdpa
+from hf_blockpilot.modeling_block_diffusion import DraftContextCache
+
+
+@pytest.mark.parametrize("kv_heads,groups", [(2, 1), (2, 2), (3, 3)])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_sdpa_matches_sdpa_over_repeated_heads(kv_heads, groups, q_len, masked):
+    gen = torch.Generator().manual_seed(kv_heads * 10 + groups + q_len)
+    batch, keys, dim = 2, 11, 8
+    query = torch.randn(batch, kv_heads * groups, q_len, dim, generator=gen)
+    key, value = torch.randn(batch, kv_heads, keys, dim, generator=gen), torch.randn(batch, kv_heads, keys, dim, generator=gen)
+    mask = torch.rand(batch, 1, q_len, keys, generator=gen) > 0.3 if masked else None
+    if mask is not None:
+        mask[..., 0] = True  # every query sees at least one key
+    expected = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), attn_mask=mask, scale=0.3
+    )
+    torch.testing.assert_close(grouped_sdpa(query, key, value, mask, scale=0.3), expected, rtol=1e-5, atol=1e-6)
+
+
+def _block(hidden, start, size, seed):
+    """Embeddings and positions of a block anchored at `start`."""
+    return torch.randn(1, size, hidden, generator=torch.Generator().manual_seed(seed)), torch.arange(start, start + size)[None]
+
+
+def test_cached_rounds_equal_one_uncached_forward_and_reuse_storage():
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    drafter = make_drafter(target, block_size=4, num_hidden_layers=2)
+    width = len(drafter.target_layer_ids) * 64
+    context = torch.randn(1, 90, width, generator=torch.Generator().manual_seed(1))
+    cache, seen, pointers = DraftContextCache(), 0, set()
+    with torch.no_grad():
+        for round_, new in enumerate((7, 1, 3, 2, 60, 17)):  # growth past the first capacity, then in place
+            embeds, positions = _block(64, seen + new, 4, round_)
+            cached = drafter(
+                block_embeds=embeds,
+                block_position_ids=positions,
+                target_hidden=context[:, seen : seen + new],
+                context_position_ids=torch.arange(seen, seen + new)[None],
+                cache=cache,
+            ).last_hidden_state
+            seen += new
+            assert cache.get_seq_length() == seen  # the block itself is never kept
+            uncached = drafter(
+                block_embeds=embeds,
+                block_position_ids=positions,
+                target_hidden=context[:, :seen],
+                context_position_ids=torch.arange(seen)[None],
+            ).last_hidden_state
+            torch.testing.assert_close(cached, uncached, rtol=1e-5, atol=1e-5)
+            if round_ >= 4:
+                pointers.add(cache._keys[0].data_ptr())
+    assert len(pointers) == 1  # rounds within capacity write in place (no copy of the context)
