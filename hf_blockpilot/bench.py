@@ -21,12 +21,25 @@ from .evaluation import MethodResult, decode_methods, summarize_methods
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo` on Linux), else what `platform` knows: CPU timings differ by model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(device: torch.device | str) -> dict:
     """What the numbers were measured on."""
     device = torch.device(device)
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -81,7 +94,7 @@ def run_benchmark(
 
 def markdown_report(report: dict) -> str:
     """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead."""
-    lines = [f"Machine: {report['machine']['processor']}, {report['machine']['cpu_threads']} threads, "
+    lines = [f"Machine: {report['machine'].get('cpu', report['machine']['processor'])}, {report['machine']['cpu_threads']} threads, "
              f"device {report['machine']['device']}, torch {report['machine']['torch']}, "
              f"transformers {report['machine']['transformers']}.", ""]
     for run in report["runs"]:

@@ -117,8 +117,8 @@ def decode_methods(
 ) -> list[MethodResult]:
     """Decode each prompt with plain `generate`, each fixed block size and (if given) the policy.
 
-    Real end-to-end decoding (no recorded lookups); time is the median over `repeats`; at T=0 every output
-    is compared with plain `generate`. The drafter's block size and policy are restored afterwards.
+    Real end-to-end decoding (no recorded lookups); time is the median over `repeats`, taken round-robin over
+    the methods; at T=0 every output is compared with plain `generate`. The drafter's block size and policy are restored afterwards.
     """
     saved_block_size, saved_policy = drafter.block_size, drafter.policy
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
@@ -135,10 +135,11 @@ def decode_methods(
             timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)
             drafter.set_policy(policy)
             timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False)
-            plain = None
-            for name, block_size in methods:
-                runs = []
-                for _ in range(repeats):
+            # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
+            # all methods alike instead of whichever was being timed.
+            runs: dict[str, list] = {name: [] for name, _ in methods}
+            for _ in range(repeats):
+                for name, block_size in methods:
                     if name == "plain":
                         out, seconds = timed_generate(target, input_ids, **gen)
                         stats = None
@@ -148,9 +149,11 @@ def decode_methods(
                             drafter.block_size = block_size
                         out, seconds = timed_generate(target, input_ids, drafter, **gen)
                         stats = drafter.last_stats
-                    runs.append((seconds, out, stats))
-                runs.sort(key=lambda run: run[0])
-                seconds, out, stats = runs[len(runs) // 2]
+                    runs[name].append((seconds, out, stats))
+            plain = None
+            for name, _ in methods:
+                runs[name].sort(key=lambda run: run[0])
+                seconds, out, stats = runs[name][len(runs[name]) // 2]
                 if name == "plain":
                     plain = out
                 results.append(

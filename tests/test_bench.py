@@ -17,7 +17,7 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
                  "--temperatures", "0", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out)])
     assert code == 0
     report = json.loads((out / "results.json").read_text())
-    assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
+    assert report["machine"]["device"] == "cpu" and report["machine"]["torch"] and report["machine"]["cpu"]
     assert [(r["dataset"], r["temperature"]) for r in report["runs"]] == [
         ("humaneval", 0.0), ("gsm8k", 0.0), ("humaneval", 1.0), ("gsm8k", 1.0)]
     for run in report["runs"]:

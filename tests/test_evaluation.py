@@ -1,4 +1,4 @@
-"""`measure_tau` pools the real decoding statistics; `decode_methods` times only warmed-up paths."""
+"""`measure_tau` pools the real decoding statistics; `decode_methods` times only warmed-up paths, round-robin."""
 
 from __future__ import annotations
 
@@ -73,3 +73,29 @@ def test_decode_methods_warms_up_the_policy_path_before_timing():
     assert policy.calls == 2  # warm-up + the timed run
     assert len(timed) == 1 and timed[0].block_size == 2 and timed[0].policy_seconds < 0.1
     assert drafter.policy is None and drafter.block_size == 4  # restored
+
+
+def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
+    from hf_blockpilot import evaluation
+
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    tokenizer = char_tokenizer(48)
+    prompts = [PromptRecord("p0", "toy", "abcab")]
+    expected = target.generate(chat_inputs(tokenizer, prompts[0].prompt, "cpu"), max_new_tokens=6, do_sample=False)
+    drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, expected, error_rate=0.3)
+    order = []
+    real = evaluation.timed_generate
+
+    def spy(target, input_ids, drafter=None, **kwargs):
+        if kwargs.get("max_new_tokens") == 6:  # the timed runs (warm-up runs take 4 tokens)
+            order.append("plain" if drafter is None else "policy" if drafter.policy else f"b={drafter.block_size}")
+        return real(target, input_ids, drafter, **kwargs)
+
+    monkeypatch.setattr(evaluation, "timed_generate", spy)
+    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(2, 4), policy=_SlowFirstCallPolicy(),
+                             max_new_tokens=6, repeats=3)
+    assert order == ["plain", "b=2", "b=4", "policy"] * 3  # round-robin, not all repeats of one method in a row
+    assert [r.method for r in results] == ["plain", "b=2", "b=4", "policy"]
+    assert all(r.identical_to_plain for r in results)
