@@ -15,7 +15,7 @@ forward far dearer than a one-token step, and `cpu_verify_kernels` replaces both
   the context, paid in every layer of every verify round, while a one-token step needs none of it. Measured on
   a 2-core AMD EPYC with SmolLM2-135M: a 4-token forward cost 1.15 / 1.35 / 1.9 plain steps at 256 / 1,024 /
   2,048 context tokens. `grouped_query_attention` stacks the query heads that share a key/value head as extra
-  query rows instead, so nothing is repeated: 1.0 / 1.0 / 1.06 plain steps.
+  query rows instead, so nothing is repeated: 1.01 / 1.01 / 1.06 plain steps.
 
 Both agree with the stock kernels to float rounding.
 
