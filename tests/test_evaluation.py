@@ -57,7 +57,8 @@ class _SlowFirstCallPolicy(torch.nn.Module):
         return 2, None
 
 
-def test_decode_methods_warms_up_the_policy_path_before_timing():
+def _toy_decoding_setup():
+    """A tiny target, a character tokenizer, one prompt and a scripted drafter that is right 70% of the time."""
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
     target.generation_config.eos_token_id = None
     target.generation_config.pad_token_id = 0
@@ -65,6 +66,11 @@ def test_decode_methods_warms_up_the_policy_path_before_timing():
     prompts = [PromptRecord("p0", "toy", "abcab")]
     expected = target.generate(chat_inputs(tokenizer, prompts[0].prompt, "cpu"), max_new_tokens=6, do_sample=False)
     drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, expected, error_rate=0.3)
+    return target, tokenizer, prompts, drafter
+
+
+def test_decode_methods_warms_up_the_policy_path_before_timing():
+    target, tokenizer, prompts, drafter = _toy_decoding_setup()
     policy = _SlowFirstCallPolicy()
     results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(4,), policy=policy,
                              max_new_tokens=6, repeats=1)
@@ -78,13 +84,7 @@ def test_decode_methods_warms_up_the_policy_path_before_timing():
 def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
     from hf_blockpilot import evaluation
 
-    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
-    target.generation_config.eos_token_id = None
-    target.generation_config.pad_token_id = 0
-    tokenizer = char_tokenizer(48)
-    prompts = [PromptRecord("p0", "toy", "abcab")]
-    expected = target.generate(chat_inputs(tokenizer, prompts[0].prompt, "cpu"), max_new_tokens=6, do_sample=False)
-    drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, expected, error_rate=0.3)
+    target, tokenizer, prompts, drafter = _toy_decoding_setup()
     order = []
     real = evaluation.timed_generate
 
