@@ -94,7 +94,7 @@ def run_benchmark(
 
 def markdown_report(report: dict) -> str:
     """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead."""
-    lines = [f"Machine: {report['machine'].get('cpu', report['machine']['processor'])}, {report['machine']['cpu_threads']} threads, "
+    lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_threads']} threads, "
              f"device {report['machine']['device']}, torch {report['machine']['torch']}, "
              f"transformers {report['machine']['transformers']}.", ""]
     for run in report["runs"]:
