@@ -23,6 +23,7 @@ from .cpu_kernels import (
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
+from .prompt_lookup import NgramLookup
 from .stats import SpeculationStats
 
 __version__ = "0.1.0.dev0"
@@ -36,6 +37,7 @@ __all__ = [
     "BlockDiffusionConfig",
     "BlockDiffusionDrafter",
     "BlockPilotPolicy",
+    "NgramLookup",
     "SpeculationStats",
     "build_target_layer_ids",
     "cpu_verify_kernels",

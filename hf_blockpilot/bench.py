@@ -69,6 +69,7 @@ def run_benchmark(
     report: dict = {"machine": machine_info(target.device), "settings": {
         "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
+        "prompt_lookup": drafter.prompt_lookup,
     }, "runs": []}
     for temperature in temperatures:
         for name in datasets:
@@ -96,7 +97,8 @@ def markdown_report(report: dict) -> str:
     """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead."""
     lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_threads']} threads, "
              f"device {report['machine']['device']}, torch {report['machine']['torch']}, "
-             f"transformers {report['machine']['transformers']}.", ""]
+             f"transformers {report['machine']['transformers']}."
+             + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""), ""]
     for run in report["runs"]:
         lines += [f"### {run['dataset']}, T={run['temperature']:g}", "",
                   "| method | tokens/s | speedup | τ | greedy mismatches | policy overhead |",

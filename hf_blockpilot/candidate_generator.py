@@ -7,7 +7,9 @@ Round by round, inside Transformers' own assisted-decoding loop:
   round 0: no candidates, so the loop's first target forward is the plain prefill;
   after it: the block size is chosen once (policy, else `drafter.block_size`);
   each round: context K/V of newly verified tokens -> one drafter forward over [last, MASK x (b-1)] ->
-  up to b-1 drafts, sampled (T>0) from exactly the logits returned to the loop.
+  up to b-1 drafts, sampled (T>0) from exactly the logits returned to the loop;
+  with `drafter.prompt_lookup`, a round whose last tokens occurred earlier drafts their continuation there
+  instead (one-hot logits; the drafter only takes in the new context).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cpu_kernels import skinny_linear
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from .prompt_lookup import NgramLookup
 from .stats import SpeculationStats
 
 if TYPE_CHECKING:
@@ -80,6 +83,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 raise ValueError("`stop_strings` needs `tokenizer=` passed to generate().")
             self.stop_strings = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
         self.cache = DraftContextCache()
+        self.lookup = NgramLookup() if drafter.prompt_lookup else None
         self.block_size: int | None = None
         self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1])
         drafter.last_stats = self.stats
@@ -110,8 +114,12 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if num_drafts <= 0:  # speculation off (b = 1) or no room left before max_length
             self.stats.drafted_per_round.append(0)
             return input_ids, None
-        logits = self._draft_logits(input_ids, model_outputs)[:, :num_drafts]
-        drafts, logits = self._select(input_ids, logits)
+        looked_up = self.lookup.continuation(input_ids, num_drafts) if self.lookup is not None else []
+        if looked_up:
+            drafts, logits = self._lookup_drafts(input_ids, model_outputs, looked_up)
+        else:
+            logits = self._draft_logits(input_ids, model_outputs)[:, :num_drafts]
+            drafts, logits = self._select(input_ids, logits)
         drafts, logits = self._cut_before_stop(input_ids, drafts, logits)
         self.stats.drafted_per_round.append(drafts.shape[1])
         if drafts.shape[1] == 0:
@@ -179,6 +187,18 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
         full[..., self.drafter.d2t.to(logits.device)] = logits
         return full
+
+    def _lookup_drafts(
+        self, input_ids: torch.LongTensor, model_outputs: Any, looked_up: list[int]
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Drafts copied by prompt lookup, with one-hot logits (their exact draft distribution); the drafter
+        takes in the new context without drafting, so its cache stays complete for later rounds."""
+        target_hidden, context_positions = self._new_context(input_ids, model_outputs)
+        self.drafter.extend_context(target_hidden, context_positions, self.cache)
+        self.stats.lookup_rounds += 1
+        drafts = torch.tensor([looked_up], dtype=torch.long, device=input_ids.device)
+        logits = torch.full((1, len(looked_up), self.vocab_size), float("-inf"), device=input_ids.device)
+        return drafts, logits.scatter_(-1, drafts.unsqueeze(-1), 0.0)
 
     def _select(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
         """Apply the logits processors position by position and pick drafts from exactly those logits."""

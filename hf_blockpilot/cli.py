@@ -18,11 +18,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _add_lookup_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="rounds whose last tokens occurred earlier draft their continuation (lossless)")
+
+
 def _load(args: argparse.Namespace):
     from .defaults import resolve_drafter, resolve_policy, resolve_target
 
     target, tokenizer = resolve_target(args.target, dtype=args.dtype, device=args.device)
     drafter = resolve_drafter(args.drafter, dtype=args.dtype, device=args.device)
+    drafter.prompt_lookup = getattr(args, "prompt_lookup", False)
     if getattr(args, "use_policy", None) is not None:
         # the embedded policy only belongs to the embedded pair
         default_pair = args.target is None and args.drafter is None
@@ -58,6 +64,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "new_tokens": stats.new_tokens,
         "tokens_per_second": round(stats.new_tokens / seconds, 2),
     }
+    if drafter.prompt_lookup:
+        result["lookup_rounds"] = stats.lookup_rounds
     if args.compare:
         plain, plain_seconds = timed_generate(target, input_ids, **gen)
         plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
@@ -151,6 +159,7 @@ def cmd_eval_drafter(args: argparse.Namespace) -> int:
                 f"hf-blockpilot eval-drafter --datasets {' '.join(args.datasets)} --block-sizes "
                 f"{' '.join(map(str, args.block_sizes))} --max-new-tokens {args.max_new_tokens}"
                 + (f" --limit {args.limit}" if args.limit else "")
+                + (" --prompt-lookup" if args.prompt_lookup else "")
             ),
         )
         card.save(args.card)
@@ -323,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a prompt with block-diffusion speculative decoding")
     p.add_argument("prompt")
     _add_model_args(p)
+    _add_lookup_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--block-size", type=int, default=None, help="fixed block size (turns the policy off)")
@@ -368,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval-drafter", help="τ by real greedy decoding on held-out prompt sets")
     _add_model_args(p)
+    _add_lookup_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
     p.add_argument("--block-sizes", nargs="+", type=int, default=[4, 8, 16])
     p.add_argument("--limit", type=int, default=None)
@@ -424,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate-policy", help="real decoding with the policy vs each fixed b and the oracle")
     _add_model_args(p)
+    _add_lookup_arg(p)
     p.add_argument("--policy", required=True, help="policy Hub id or directory")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
     p.add_argument("--block-sizes", type=int, nargs="+", default=None, help="default: the policy's candidates")
@@ -435,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots")
     _add_model_args(p)
+    _add_lookup_arg(p)
     p.add_argument("--policy", dest="use_policy", default="default",
                    help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
@@ -448,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="Gradio demo: plain vs BlockPilot side by side, rounds highlighted")
     _add_model_args(p)
+    _add_lookup_arg(p)
     p.add_argument("--policy", dest="use_policy", default="default",
                    help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
     p.add_argument("--host", default="127.0.0.1")

@@ -105,6 +105,7 @@ def compare_stream(
         f"**block size** {stats.block_size} · **τ** {stats.tau:.2f} · **rounds** {stats.target_forwards} · "
         f"**tokens/s** {tps:.1f} (plain {plain_tps:.1f}) · **speedup** {tps / plain_tps:.2f}×"
         + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else " · fixed block size")
+        + (f" · prompt-lookup rounds {stats.lookup_rounds}" if drafter.prompt_lookup else "")
     )
     yield plain_text, rounds_html(tokenizer, rounds), stats_md, probs
 

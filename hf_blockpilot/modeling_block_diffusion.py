@@ -173,7 +173,8 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
 
     Loads z-lab DFlash checkpoints unchanged (`from_pretrained("z-lab/Qwen3-4B-DFlash-b16")`) and saves in
     the same layout. `block_size` (settable, any int >= 2) is the block drafted per round when no policy is
-    attached; `last_stats` holds the statistics of the latest `generate` call.
+    attached; `prompt_lookup` (settable, default off) lets rounds whose last tokens occurred earlier copy their
+    continuation instead of drafting; `last_stats` holds the statistics of the latest `generate` call.
     """
 
     def __init__(self, config: BlockDiffusionConfig):
@@ -193,6 +194,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
             self.d2t = None
         self._block_size = config.block_size
         self._policy = None
+        self._prompt_lookup = False
         self._head_cache: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
         self.last_stats = None
         self.post_init()
@@ -208,6 +210,18 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         if not isinstance(value, int) or isinstance(value, bool) or value < 2:
             raise ValueError(f"block_size must be an int >= 2 (anchor slot + at least one draft), got {value!r}")
         self._block_size = value
+
+    @property
+    def prompt_lookup(self) -> bool:
+        """Draft by prompt lookup (`hf_blockpilot.prompt_lookup`) in rounds where the last committed tokens
+        occurred earlier, by the drafter otherwise. Lossless either way; off by default."""
+        return self._prompt_lookup
+
+    @prompt_lookup.setter
+    def prompt_lookup(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"prompt_lookup must be True or False, got {value!r}")
+        self._prompt_lookup = value
 
     @property
     def mask_token_id(self) -> int:
@@ -245,6 +259,17 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """`hidden_norm(fc(concat of target layers))`: the context fed to every draft layer."""
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def extend_context(
+        self, target_hidden: torch.Tensor, context_position_ids: torch.LongTensor, cache: DraftContextCache
+    ) -> None:
+        """Append the context K/V of new target hidden states to `cache` without drafting a block (what a
+        forward does to the cache, for rounds drafted otherwise)."""
+        context = self.project_context(target_hidden)
+        rotary = self.rotary_emb(context, context_position_ids)
+        for layer in self.layers:
+            attention = layer.self_attn
+            cache.update(attention.layer_idx, *attention._keys_values(context, rotary))
 
     def forward(
         self,

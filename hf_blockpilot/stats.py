@@ -16,6 +16,7 @@ class SpeculationStats:
         new_tokens: tokens committed after the prompt.
         target_forwards: target forwards, prefill included.
         drafter_forwards: drafter forwards (one per drafted block).
+        lookup_rounds: rounds drafted by prompt lookup instead (`drafter.prompt_lookup`).
         drafted_per_round: drafts proposed in each verify round.
         accepted_per_round: drafts accepted in each verify round (the bonus token not counted).
         policy_seconds: wall time spent choosing the block size.
@@ -27,6 +28,7 @@ class SpeculationStats:
     new_tokens: int = 0
     target_forwards: int = 0
     drafter_forwards: int = 0
+    lookup_rounds: int = 0
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     policy_seconds: float = 0.0

@@ -31,3 +31,16 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
     for name in ("speedup.png", "block_sizes.png", "tau.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "| oracle |" in capsys.readouterr().out
+
+
+def test_bench_with_prompt_lookup_records_it(tmp_path):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    out = tmp_path / "bench"
+    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+                 "--datasets", "humaneval", "--limit", "2", "--block-sizes", "4", "--temperatures", "0",
+                 "--max-new-tokens", "8", "--repeats", "1", "--prompt-lookup", "--output-dir", str(out)])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["settings"]["prompt_lookup"] is True
+    assert all(r["identical_to_plain"] for r in report["runs"][0]["results"])
+    assert "Prompt lookup on" in (out / "results.md").read_text()

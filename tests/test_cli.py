@@ -42,6 +42,19 @@ def test_generate_command_on_the_real_default_target(tmp_path, capsys):
     assert result["block_size"] == 4 and result["new_tokens"] >= 1 and result["speedup"] > 0
 
 
+def test_generate_command_with_prompt_lookup(tmp_path, capsys):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    args = ["generate", "abcabcabcabc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+            "--max-new-tokens", "24", "--block-size", "4", "--compare", "--no-stream", "--json"]
+    assert main(args) == 0
+    without = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "lookup_rounds" not in without
+    assert main([*args, "--prompt-lookup"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical_to_plain"] is True and result["block_size"] == 4
+    assert result["lookup_rounds"] > 0 and result["new_tokens"] == without["new_tokens"]
+
+
 def test_train_drafter_recipe_end_to_end(tmp_path):
     """Responses on disk -> hidden-state cache -> training -> z-lab checkpoint, and a resume that continues."""
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)

@@ -80,9 +80,9 @@ def exact_joint(target, prompt: torch.Tensor, temperature: float, top_k: int | N
 
 
 def draw(target, drafter, n: int, temperature: float, top_k: int | None):
-    """`n` assisted samples: counts per cell, plus drafted/accepted totals over all runs."""
+    """`n` assisted samples: counts per cell, plus drafted/accepted/prompt-lookup-round totals over all runs."""
     counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.long)
-    drafted = accepted = 0
+    drafted = accepted = lookups = 0
     weights = torch.tensor([VOCAB ** (NUM_TOKENS - 1 - i) for i in range(NUM_TOKENS)])
     start = PROMPT.shape[1]
     torch.manual_seed(1234)
@@ -102,7 +102,8 @@ def draw(target, drafter, n: int, temperature: float, top_k: int | None):
         counts[int((out[0, start : start + NUM_TOKENS] * weights).sum())] += 1
         drafted += sum(drafter.last_stats.drafted_per_round)
         accepted += sum(drafter.last_stats.accepted_per_round)
-    return counts, drafted, accepted
+        lookups += drafter.last_stats.lookup_rounds
+    return counts, drafted, accepted, lookups
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +145,7 @@ def test_sampling_matches_exact_distribution(target, built_generators, config):
     kwargs = CONFIGS[config]
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
     _check_drafter_differs(target, drafter)
-    counts, drafted, accepted = draw(target, drafter, NUM_SAMPLES, **kwargs)
+    counts, drafted, accepted, _ = draw(target, drafter, NUM_SAMPLES, **kwargs)
 
     generator = built_generators[-1]
     assert isinstance(generator, candidate_generator_module.BlockDiffusionCandidateGenerator)
@@ -167,10 +168,24 @@ def test_sampling_exact_with_reduced_draft_vocab(target):
     with torch.no_grad():
         drafter.norm.weight.mul_(8.0)
     _check_drafter_differs(target, drafter)
-    counts, drafted, accepted = draw(target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None)
+    counts, drafted, accepted, _ = draw(target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None)
     assert accepted > 0.1 * NUM_SAMPLES and accepted < drafted
     stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
     print(f"reduced vocab: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
+    assert df >= 10
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_sampling_exact_with_prompt_lookup(target):
+    """Rounds drafted by prompt lookup (one-hot draft distribution) mixed with drafter rounds stay exact."""
+    drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
+    drafter.prompt_lookup = True
+    counts, drafted, accepted, lookups = draw(target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None)
+    # PROMPT ends with (1, 2), which occurred before: whenever the prefill samples 3, (1, 2, 3) is copied
+    assert 0.05 * NUM_SAMPLES < lookups < 0.95 * NUM_SAMPLES, lookups
+    assert accepted > 0.1 * NUM_SAMPLES and accepted < drafted
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
+    print(f"prompt lookup: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} lookups={lookups} accepted={accepted}")
     assert df >= 10
     assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
 
@@ -186,7 +201,7 @@ def test_chi_square_rejects_broken_generator(target, monkeypatch, built_generato
     monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", ArgmaxDraftsGenerator)
     kwargs = CONFIGS["t1_no_processors"]
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)  # the drafter of the passing T=1 run
-    counts, drafted, accepted = draw(target, drafter, BROKEN_SAMPLES, **kwargs)
+    counts, drafted, accepted, _ = draw(target, drafter, BROKEN_SAMPLES, **kwargs)
     assert isinstance(built_generators[-1], ArgmaxDraftsGenerator)  # the broken generator really ran
     assert accepted > 0
     stat, df = chi_square(counts, exact_joint(target, PROMPT, **kwargs))

@@ -1,0 +1,147 @@
+"""Prompt lookup: n-gram continuation drafts, mixed with drafter rounds, keep decoding lossless."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot.modeling_block_diffusion import DraftContextCache
+from hf_blockpilot.prompt_lookup import NgramLookup
+
+VOCAB, HIDDEN = 48, 64
+
+
+def _ids(tokens: list[int]) -> torch.LongTensor:
+    return torch.tensor([tokens])
+
+
+def _brute_force(tokens: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Reference: scan every earlier position for the longest tail n-gram, most recent occurrence first."""
+    for n in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + max_tokens]
+    return []
+
+
+def test_lookup_prefers_longest_then_most_recent_match():
+    lookup = NgramLookup(max_ngram=3, min_ngram=2)
+    #          0  1  2  3  4  5  6  7  8  9 10
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7]
+    # the 3-gram (5, 6, 7) occurred at 0..2, followed by 8; the 2-gram (6, 7) more recently, followed by 9
+    assert lookup.continuation(_ids(tokens), 3) == [8, 1, 6]
+    assert NgramLookup(max_ngram=2, min_ngram=2).continuation(_ids(tokens), 3) == [9, 5, 6]
+    assert NgramLookup().continuation(_ids([1, 2, 3, 4]), 5) == []  # no earlier occurrence of the tail
+    assert NgramLookup().continuation(_ids([3, 3]), 4) == []  # the tail itself is never its own match
+    assert NgramLookup().continuation(_ids([3, 3, 3]), 4) == [3]  # (3, 3) at 0..1, followed by one token
+
+
+def test_incremental_index_equals_brute_force():
+    rng = random.Random(0)
+    for case in range(20):
+        lookup = NgramLookup()
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+        while len(tokens) < 80:
+            max_tokens = rng.randint(1, 8)
+            assert lookup.continuation(_ids(tokens), max_tokens) == _brute_force(tokens, max_tokens, 4, 2), case
+            tokens += [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+
+
+def test_lookup_rejects_bad_ngram_sizes():
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        NgramLookup(max_ngram=2, min_ngram=3)
+
+
+def test_prompt_lookup_setting_is_validated():
+    drafter = make_drafter(make_target(vocab_size=VOCAB, hidden_size=HIDDEN))
+    assert drafter.prompt_lookup is False  # off by default: plain DFlash drafting
+    drafter.prompt_lookup = True
+    assert drafter.prompt_lookup is True
+    with pytest.raises(ValueError, match="True or False"):
+        drafter.prompt_lookup = 1
+
+
+def test_extend_context_caches_what_a_forward_would(family):
+    """A cache filled by `extend_context` drafts exactly like a cache-less forward over the whole context."""
+    target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=3)
+    drafter = make_drafter(target, seed=4, block_size=4)
+    width = len(drafter.target_layer_ids) * HIDDEN
+    hidden = torch.randn(1, 9, width)
+    block = torch.randn(1, 4, HIDDEN)
+    with torch.no_grad():
+        reference = drafter(
+            block_embeds=block, block_position_ids=torch.arange(9, 13)[None], target_hidden=hidden,
+            context_position_ids=torch.arange(9)[None],
+        ).last_hidden_state
+        cache = DraftContextCache()
+        drafter.extend_context(hidden[:, :5], torch.arange(5)[None], cache)
+        drafter.extend_context(hidden[:, 5:7], torch.arange(5, 7)[None], cache)
+        assert cache.get_seq_length() == 7
+        cached = drafter(
+            block_embeds=block, block_position_ids=torch.arange(9, 13)[None], target_hidden=hidden[:, 7:],
+            context_position_ids=torch.arange(7, 9)[None], cache=cache,
+        ).last_hidden_state
+    torch.testing.assert_close(cached, reference)
+
+
+def _generate(target, prompt, max_new_tokens, eos, **kwargs):
+    return target.generate(
+        prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0, **kwargs
+    )
+
+
+def test_greedy_identical_with_prompt_lookup():
+    """Repetitive prompts make lookup rounds frequent; output stays identical to plain greedy decoding."""
+    targets = {fam: make_target(fam, vocab_size=VOCAB, hidden_size=HIDDEN, seed=1) for fam in ("llama", "qwen3")}
+    lookup_rounds = drafter_rounds = accepted_lookup = 0
+    for case in range(24):
+        rng = random.Random(case)
+        target = targets[rng.choice(sorted(targets))]
+        motif = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 6))]
+        prompt = _ids((motif * 8)[: rng.randint(4, 40)])
+        max_new = rng.randint(1, 48)
+        eos = None
+        expected = _generate(target, prompt, max_new, None)
+        if rng.random() < 0.4:  # an EOS the plain output produces, so it can land inside a copied block
+            eos = int(expected[0, rng.randrange(prompt.shape[1], expected.shape[1])])
+            expected = _generate(target, prompt, max_new, eos)
+        block_size = rng.randint(2, 12)
+        draft_vocab = sorted(rng.sample(range(VOCAB), VOCAB // 2)) if rng.random() < 0.3 else None
+        torch.manual_seed(case)
+        drafter = BlockDiffusionDrafter.from_target(target, block_size=block_size, draft_vocab=draft_vocab).eval()
+        drafter.prompt_lookup = True
+        got = _generate(target, prompt, max_new, eos, assistant_model=drafter)
+        msg = f"case {case}: prompt={prompt.tolist()} b={block_size} max_new={max_new} eos={eos}"
+        assert torch.equal(got, expected), msg
+        stats = drafter.last_stats
+        assert stats.new_tokens == sum(a + 1 for a in stats.accepted_per_round), msg
+        for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
+            assert 0 <= accepted <= drafted <= block_size - 1, msg
+        drafted_rounds = sum(1 for d in stats.drafted_per_round if d > 0)
+        assert stats.lookup_rounds + stats.drafter_forwards == drafted_rounds, msg
+        lookup_rounds += stats.lookup_rounds
+        drafter_rounds += stats.drafter_forwards
+        accepted_lookup += sum(stats.accepted_per_round)
+    assert lookup_rounds > 20 and drafter_rounds > 20, "both kinds of round must be exercised"
+    assert accepted_lookup > 0
+
+
+def test_prompt_lookup_copies_a_repeating_answer():
+    """When the target repeats itself, lookup rounds commit several tokens where a random drafter commits ~1."""
+    target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, seed=1)
+    prompt = _ids([5, 9, 13, 5, 9])
+    expected = _generate(target, prompt, 64, None)
+    drafter = make_drafter(target, seed=0, block_size=6)
+    plain_drafting = _generate(target, prompt, 64, None, assistant_model=drafter)
+    tau_without = drafter.last_stats.tau
+    drafter.prompt_lookup = True
+    with_lookup = _generate(target, prompt, 64, None, assistant_model=drafter)
+    assert torch.equal(plain_drafting, expected) and torch.equal(with_lookup, expected)
+    # a random tiny model falls into a loop within 64 greedy tokens, which lookup copies
+    assert drafter.last_stats.lookup_rounds > 0
+    assert drafter.last_stats.tau > tau_without + 0.5, (drafter.last_stats.tau, tau_without)
