@@ -393,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("collect", help="oracle block-size labels by drafter replay (resumable, shardable)")
     _add_model_args(p)
+    _add_lookup_arg(p)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--dataset", nargs="+", default=["stdlib"],
                    help="stdlib / chat (training-prompt generators) and/or evaluation set names")

@@ -52,6 +52,32 @@ def test_replay_equals_real_decoding(family):
     assert checked == 64 and partial > 0
 
 
+def test_replay_equals_real_decoding_with_prompt_lookup(family):
+    """Labels collected with `drafter.prompt_lookup` replay lookup rounds exactly as decoding runs them."""
+    target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=4)
+    lookups = drafted = 0
+    for case in range(6):
+        motif = torch.randint(3, VOCAB, (1, 2 + case % 3), generator=torch.Generator().manual_seed(case))
+        prompt = motif.repeat(1, 4)
+        max_new = 20 + 4 * case
+        reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        hidden = target(reference, output_hidden_states=True).hidden_states
+        for block_size in (3, 8):
+            drafter = make_drafter(target, block_size=block_size, seed=case)
+            drafter.prompt_lookup = True
+            out, real = _real(target, drafter, prompt, max_new, None)
+            assert torch.equal(out, reference)
+            sim = replay_block_size(target, drafter, hidden, reference, prompt.shape[1], block_size, max_new)
+            msg = f"case {case} b={block_size}"
+            assert sim.accepted_per_round == real.accepted_per_round, msg
+            assert sim.drafted_per_round == real.drafted_per_round, msg
+            assert (sim.lookup_rounds, sim.drafter_forwards) == (real.lookup_rounds, real.drafter_forwards), msg
+            assert sim.tau == real.tau, msg
+            lookups += real.lookup_rounds
+            drafted += real.drafter_forwards
+    assert lookups > 0 and drafted > 0
+
+
 def test_sampling_processors_are_the_ones_generate_samples_with():
     """The T>0 labels' target distributions: sampling token by token from them, with generate's seed, must
     give generate's own sampled output (the target's generation defaults, here top-k, merged as generate does)."""

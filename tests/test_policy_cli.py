@@ -30,7 +30,8 @@ def test_collect_train_evaluate(tmp_path, capsys):
         if r.temperature == 1:
             assert r.features[:-1] == pytest.approx(cold[r.id][:-1], abs=1e-5)
             assert (r.features[-1], cold[r.id][-1]) == (1.0, 0.0)
-    assert json.loads((labels / "manifest.json").read_text())["candidates"] == [1, 3, 6]
+    manifest = json.loads((labels / "manifest.json").read_text())
+    assert manifest["candidates"] == [1, 3, 6] and manifest["prompt_lookup"] is False
     assert (labels / "cost_model.json").exists()
     check = json.loads((labels / "replay_check.json").read_text())
     assert check["checked"] == 4 and check["equal"] == 4 and check["speedup"] > 0

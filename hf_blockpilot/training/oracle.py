@@ -229,6 +229,7 @@ def collect_oracle_labels(
         "max_new_tokens": max_new_tokens,
         "target": getattr(target.config, "_name_or_path", ""),
         "drafter": getattr(drafter.config, "_name_or_path", ""),
+        "prompt_lookup": drafter.prompt_lookup,  # replays go through the decoding generator, lookup rounds included
         "num_shards": num_shards,
         "temperatures": list(temperatures),
     }
