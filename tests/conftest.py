@@ -51,6 +51,13 @@ def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0,
     return drafter
 
 
+def greedy_generate(target, prompt, max_new_tokens, eos, **kwargs):
+    """Greedy `generate` stopping on `eos` (None: only on length), pad id 0; kwargs e.g. `assistant_model`."""
+    return target.generate(
+        prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0, **kwargs
+    )
+
+
 @pytest.fixture
 def built_generators(monkeypatch):
     """Collect the candidate generators generate() builds (behaviour unchanged)."""

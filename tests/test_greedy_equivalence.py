@@ -5,15 +5,9 @@ from __future__ import annotations
 import random
 
 import torch
-from conftest import ScriptedDrafter, make_drafter, make_target
+from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 
 VOCAB, HIDDEN = 48, 64  # vocab <= hidden lets ScriptedDrafter invert the LM head exactly
-
-
-def _generate(target, prompt, max_new_tokens, eos, **kwargs):
-    return target.generate(
-        prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0, **kwargs
-    )
 
 
 def test_greedy_identical_over_randomized_cases():
@@ -30,9 +24,9 @@ def test_greedy_identical_over_randomized_cases():
         prompt = torch.randint(3, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(case))
         eos = None
         if rng.random() < 0.4:  # stop on a token the plain output produces, so EOS lands inside a block
-            free = _generate(target, prompt, max_new, None)[0, prompt_len:]
+            free = greedy_generate(target, prompt, max_new, None)[0, prompt_len:]
             eos = int(free[rng.randrange(free.numel())])
-        expected = _generate(target, prompt, max_new, eos)
+        expected = greedy_generate(target, prompt, max_new, eos)
 
         draft_vocab = None
         if rng.random() < 0.25:
@@ -44,7 +38,7 @@ def test_greedy_identical_over_randomized_cases():
         if scripted:
             drafter.rig(target, expected, error_rate=rng.choice([0.0, 0.05, 0.2, 0.5]), seed=case)
 
-        got = _generate(target, prompt, max_new, eos, assistant_model=drafter)
+        got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter)
         msg = f"case {case}: {family} prompt={prompt_len} b={block_size} max_new={max_new} eos={eos} scripted={scripted}"
         assert torch.equal(got, expected), msg
 
@@ -69,9 +63,9 @@ def test_scripted_drafter_reaches_full_acceptance(family):
     """A drafter that is always right commits b tokens per verify forward."""
     target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=2)
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
-    expected = _generate(target, prompt, 40, None)
+    expected = greedy_generate(target, prompt, 40, None)
     drafter = ScriptedDrafter.from_target(target, block_size=5).eval().rig(target, expected, error_rate=0.0)
-    got = _generate(target, prompt, 40, None, assistant_model=drafter)
+    got = greedy_generate(target, prompt, 40, None, assistant_model=drafter)
     assert torch.equal(got, expected)
     stats = drafter.last_stats
     # prefill commits 1 token, then each verify round commits 4 drafts + 1 bonus (the last round may be capped)
@@ -84,9 +78,9 @@ def test_block_size_setter_and_other_sizes(family):
     target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=3)
     drafter = make_drafter(target, block_size=16)
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
-    expected = _generate(target, prompt, 20, None)
+    expected = greedy_generate(target, prompt, 20, None)
     for block_size in (2, 3, 7, 16, 40):
         drafter.block_size = block_size
-        assert torch.equal(_generate(target, prompt, 20, None, assistant_model=drafter), expected)
+        assert torch.equal(greedy_generate(target, prompt, 20, None, assistant_model=drafter), expected)
         assert drafter.last_stats.block_size == block_size
         assert max(drafter.last_stats.drafted_per_round) == min(block_size - 1, 20 - 2)  # prefill commits 1, one slot stays for the bonus

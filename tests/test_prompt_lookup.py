@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import greedy_generate, make_drafter, make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
 from hf_blockpilot.modeling_block_diffusion import DraftContextCache
@@ -89,16 +89,10 @@ def test_extend_context_caches_what_a_forward_would(family):
     torch.testing.assert_close(cached, reference)
 
 
-def _generate(target, prompt, max_new_tokens, eos, **kwargs):
-    return target.generate(
-        prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0, **kwargs
-    )
-
-
 def test_greedy_identical_with_prompt_lookup():
     """Repetitive prompts make lookup rounds frequent; output stays identical to plain greedy decoding."""
     targets = {fam: make_target(fam, vocab_size=VOCAB, hidden_size=HIDDEN, seed=1) for fam in ("llama", "qwen3")}
-    lookup_rounds = drafter_rounds = accepted_lookup = 0
+    lookup_rounds = drafter_rounds = accepted_total = 0
     for case in range(24):
         rng = random.Random(case)
         target = targets[rng.choice(sorted(targets))]
@@ -106,16 +100,16 @@ def test_greedy_identical_with_prompt_lookup():
         prompt = _ids((motif * 8)[: rng.randint(4, 40)])
         max_new = rng.randint(1, 48)
         eos = None
-        expected = _generate(target, prompt, max_new, None)
+        expected = greedy_generate(target, prompt, max_new, None)
         if rng.random() < 0.4:  # an EOS the plain output produces, so it can land inside a copied block
             eos = int(expected[0, rng.randrange(prompt.shape[1], expected.shape[1])])
-            expected = _generate(target, prompt, max_new, eos)
+            expected = greedy_generate(target, prompt, max_new, eos)
         block_size = rng.randint(2, 12)
         draft_vocab = sorted(rng.sample(range(VOCAB), VOCAB // 2)) if rng.random() < 0.3 else None
         torch.manual_seed(case)
         drafter = BlockDiffusionDrafter.from_target(target, block_size=block_size, draft_vocab=draft_vocab).eval()
         drafter.prompt_lookup = True
-        got = _generate(target, prompt, max_new, eos, assistant_model=drafter)
+        got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter)
         msg = f"case {case}: prompt={prompt.tolist()} b={block_size} max_new={max_new} eos={eos}"
         assert torch.equal(got, expected), msg
         stats = drafter.last_stats
@@ -126,21 +120,21 @@ def test_greedy_identical_with_prompt_lookup():
         assert stats.lookup_rounds + stats.drafter_forwards == drafted_rounds, msg
         lookup_rounds += stats.lookup_rounds
         drafter_rounds += stats.drafter_forwards
-        accepted_lookup += sum(stats.accepted_per_round)
+        accepted_total += sum(stats.accepted_per_round)
     assert lookup_rounds > 20 and drafter_rounds > 20, "both kinds of round must be exercised"
-    assert accepted_lookup > 0
+    assert accepted_total > 0
 
 
 def test_prompt_lookup_copies_a_repeating_answer():
     """When the target repeats itself, lookup rounds commit several tokens where a random drafter commits ~1."""
     target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, seed=1)
     prompt = _ids([5, 9, 13, 5, 9])
-    expected = _generate(target, prompt, 64, None)
+    expected = greedy_generate(target, prompt, 64, None)
     drafter = make_drafter(target, seed=0, block_size=6)
-    plain_drafting = _generate(target, prompt, 64, None, assistant_model=drafter)
+    plain_drafting = greedy_generate(target, prompt, 64, None, assistant_model=drafter)
     tau_without = drafter.last_stats.tau
     drafter.prompt_lookup = True
-    with_lookup = _generate(target, prompt, 64, None, assistant_model=drafter)
+    with_lookup = greedy_generate(target, prompt, 64, None, assistant_model=drafter)
     assert torch.equal(plain_drafting, expected) and torch.equal(with_lookup, expected)
     # a random tiny model falls into a loop within 64 greedy tokens, which lookup copies
     assert drafter.last_stats.lookup_rounds > 0
