@@ -242,7 +242,10 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     missing = sorted(set(candidates) - set(manifest["candidates"]))
     if missing:
         raise SystemExit(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
-    policy, report = train_policy(records, candidates, manifest["feature_layers"], target, drafter, config, cost)
+    policy, report = train_policy(
+        records, candidates, manifest["feature_layers"], target, drafter, config, cost,
+        prompt_lookup=manifest.get("prompt_lookup", False),
+    )
     policy.save_pretrained(args.output)
     policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
     (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))

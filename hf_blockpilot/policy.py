@@ -85,6 +85,7 @@ class BlockPilotPolicy(
         drafter_fingerprint: str = "",
         training_loss: str = "",
         report: dict | None = None,
+        prompt_lookup: bool = False,
     ):
         super().__init__()
         if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
@@ -111,6 +112,7 @@ class BlockPilotPolicy(
         self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
 
         self.training_loss = training_loss
+        self.prompt_lookup = prompt_lookup  # labels collected with the drafter's prompt lookup on
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
 
     def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
@@ -131,6 +133,7 @@ class BlockPilotPolicy(
             num_parameters=sum(p.numel() for p in self.parameters()),
             report=self.report,
             training_loss=self.training_loss,
+            prompt_lookup=self.prompt_lookup,
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -159,7 +162,8 @@ class BlockPilotPolicy(
         return chosen, {b: float(p) for b, p in zip(self.candidates, probs)}
 
     def check_compatible(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
-        """Error if the features cannot come from `target`; warn if trained for another drafter."""
+        """Error if the features cannot come from `target`; warn if trained for another drafter, for decoding
+        with prompt lookup set otherwise than on `drafter`, or with round latencies of another kind of device."""
         text_config = target.config.get_text_config()
         problems = []
         if text_config.hidden_size != self.target_hidden_size:
@@ -178,6 +182,15 @@ class BlockPilotPolicy(
             warnings.warn(
                 f"this BlockPilot policy was trained for drafter {self.drafter_name or self.drafter_fingerprint}, not "
                 "the attached one: its block-size choices may be poor (output stays lossless).",
+                stacklevel=3,
+            )
+        lookup = getattr(drafter, "prompt_lookup", self.prompt_lookup)
+        if lookup != self.prompt_lookup:
+            warnings.warn(
+                f"this BlockPilot policy was trained on labels of decoding with prompt lookup "
+                f"{'on' if self.prompt_lookup else 'off'}, but drafter.prompt_lookup is {lookup}: lookup changes which "
+                f"block size is fastest. Train one on labels of `hf-blockpilot collect{' --prompt-lookup' if lookup else ''}` "
+                "(output stays lossless).",
                 stacklevel=3,
             )
         cost_device = (self.report or {}).get("cost_model_device", "")

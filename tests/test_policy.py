@@ -25,7 +25,7 @@ def target():
     return make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
 
 
-def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0) -> BlockPilotPolicy:
+def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0, prompt_lookup=False) -> BlockPilotPolicy:
     torch.manual_seed(seed)
     return BlockPilotPolicy(
         candidates=list(candidates),
@@ -37,6 +37,7 @@ def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0) -> BlockPilo
         target_name="tiny-qwen3",
         drafter_name="tiny-drafter",
         drafter_fingerprint=drafter_fingerprint(drafter) if drafter is not None else "",
+        prompt_lookup=prompt_lookup,
     ).eval()
 
 
@@ -209,6 +210,29 @@ def test_a_policy_tuned_for_another_device_warns(target):
         _greedy(target, _prompt(), assistant_model=drafter)
     policy.report = {"cost_model_device": "cuda:0"}
     with pytest.warns(UserWarning, match="measured on cuda:0, but the target runs on cpu.*measure-cost"):
+        _greedy(target, _prompt(), assistant_model=drafter)
+
+
+def test_a_policy_for_another_prompt_lookup_setting_warns(tmp_path, target):
+    import warnings
+
+    drafter = make_drafter(target, block_size=4)
+    policy = make_policy(target, drafter)  # labels of decoding without prompt lookup
+    drafter.set_policy(policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same setting: silent
+        _greedy(target, _prompt(), assistant_model=drafter)
+    drafter.prompt_lookup = True
+    with pytest.warns(UserWarning, match="prompt lookup off, but drafter.prompt_lookup is True.*collect --prompt-lookup"):
+        _greedy(target, _prompt(), assistant_model=drafter)
+    make_policy(target, drafter, prompt_lookup=True).save_pretrained(tmp_path / "lookup")
+    drafter.set_policy(BlockPilotPolicy.from_pretrained(tmp_path / "lookup"))
+    assert drafter.policy.prompt_lookup is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _greedy(target, _prompt(), assistant_model=drafter)
+    drafter.prompt_lookup = False
+    with pytest.warns(UserWarning, match="prompt lookup on, but drafter.prompt_lookup is False"):
         _greedy(target, _prompt(), assistant_model=drafter)
 
 

@@ -46,6 +46,7 @@ def test_collect_train_evaluate(tmp_path, capsys):
     assert policy.candidates == [1, 3, 6] and policy.feature_layers == [1, 3]
     assert (policy_dir / "training_report.json").exists() and (policy_dir / "objectives.json").exists()
     assert policy.report["validation_prompts"] > 0  # kept in config.json, rendered on the card
+    assert policy.prompt_lookup is False and "| prompt lookup | off |" in (policy_dir / "README.md").read_text()
     assert "accuracy vs per-prompt oracle b" in (policy_dir / "README.md").read_text()
 
     capsys.readouterr()
@@ -108,3 +109,17 @@ def test_measure_cost_and_train_policy_with_a_cost_model_from_another_device(tmp
     with pytest.raises(SystemExit, match=r"no latency for block sizes \[6\]"):
         main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model",
               str(tmp_path / "partial.json")])
+
+
+def test_a_policy_trained_on_prompt_lookup_labels_records_it(tmp_path):
+    """`collect --prompt-lookup` labels decoding with lookup; `train-policy` records that in the policy and card."""
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
+    labels = tmp_path / "labels"
+    assert main(["collect", *models, "--prompt-lookup", "--output-dir", str(labels), "--num-prompts", "10",
+                 "--candidates", "1", "4", "--feature-layers", "1", "--max-new-tokens", "12", "--no-cost-model",
+                 "--temperatures", "0"]) == 0
+    out = tmp_path / "policy"
+    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--objective", "acceptance"]) == 0
+    assert BlockPilotPolicy.from_pretrained(out).prompt_lookup is True
+    assert "| prompt lookup | on (labels collected with `--prompt-lookup`" in (out / "README.md").read_text()

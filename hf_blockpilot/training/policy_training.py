@@ -226,9 +226,11 @@ def train_policy(
     drafter: BlockDiffusionDrafter,
     config: PolicyTrainingConfig,
     cost: CostModel | None = None,
+    prompt_lookup: bool = False,
 ) -> tuple[BlockPilotPolicy, PolicyReport]:
     """Fit a `BlockPilotPolicy` on oracle records: early stopping on validation regret, metrics on a test split
-    of prompts it never saw. Returns the policy and that report."""
+    of prompts it never saw. `prompt_lookup`: the records label decoding with prompt lookup on (recorded in the
+    policy). Returns the policy and that report."""
     from ..policy import drafter_fingerprint
 
     torch.manual_seed(config.seed)
@@ -258,6 +260,7 @@ def train_policy(
         drafter_name=getattr(drafter.config, "_name_or_path", ""),
         drafter_fingerprint=drafter_fingerprint(drafter),
         training_loss=config.loss,
+        prompt_lookup=prompt_lookup,
     )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)
