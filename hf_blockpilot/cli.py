@@ -33,7 +33,7 @@ def _load(args: argparse.Namespace):
         # the embedded policy only belongs to the embedded pair
         default_pair = args.target is None and args.drafter is None
         choice = args.use_policy if args.use_policy != "default" or default_pair else None
-        drafter.set_policy(resolve_policy(choice, device=args.device))
+        drafter.set_policy(resolve_policy(choice, device=args.device, prompt_lookup=drafter.prompt_lookup))
     return target, tokenizer, drafter
 
 

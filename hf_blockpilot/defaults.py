@@ -272,16 +272,23 @@ def resolve_drafter(
 
 #: Directory (inside the installed package) of the embedded default BlockPilot policy for that pair.
 DEFAULT_POLICY_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-blockpilot"
+#: The embedded policy for the same pair when the drafter runs with `prompt_lookup` on (labels collected with it).
+DEFAULT_LOOKUP_POLICY_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-blockpilot-lookup"
 
 
-def resolve_policy(name_or_path: str | os.PathLike[str] | None = "default", device: str | torch.device = "cpu"):
-    """A `BlockPilotPolicy` by Hub id or directory; "default" gives the embedded one (None if absent); None: none."""
+def resolve_policy(
+    name_or_path: str | os.PathLike[str] | None = "default",
+    device: str | torch.device = "cpu",
+    prompt_lookup: bool = False,
+):
+    """A `BlockPilotPolicy` by Hub id or directory; "default" gives the embedded one (None if absent) for decoding
+    with `prompt_lookup` off or on; None: none."""
     from .policy import BlockPilotPolicy
 
     if name_or_path is None or str(name_or_path) == "none":
         return None
     if str(name_or_path) == "default":
-        if not (DEFAULT_POLICY_DIR / "config.json").exists():
+        name_or_path = DEFAULT_LOOKUP_POLICY_DIR if prompt_lookup else DEFAULT_POLICY_DIR
+        if not (name_or_path / "config.json").exists():
             return None
-        name_or_path = DEFAULT_POLICY_DIR
     return BlockPilotPolicy.from_pretrained(str(name_or_path)).to(device).eval()

@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from hf_blockpilot.defaults import DEFAULT_DRAFTER_DIR, DEFAULT_POLICY_DIR, resolve_drafter, resolve_policy
+from hf_blockpilot.defaults import (
+    DEFAULT_DRAFTER_DIR,
+    DEFAULT_LOOKUP_POLICY_DIR,
+    DEFAULT_POLICY_DIR,
+    resolve_drafter,
+    resolve_policy,
+)
 from hf_blockpilot.evaluation import chat_inputs
 
 pytestmark = pytest.mark.slow
@@ -27,11 +33,21 @@ def default_pair():
 
 def test_embedded_assets_are_small_and_complete():
     drafter_bytes = sum(p.stat().st_size for p in DEFAULT_DRAFTER_DIR.iterdir())
-    policy_bytes = sum(p.stat().st_size for p in DEFAULT_POLICY_DIR.iterdir())
-    assert drafter_bytes < 40e6 and policy_bytes < 5e6
+    assert drafter_bytes < 40e6
     config = json.loads((DEFAULT_DRAFTER_DIR / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["dtype"] in ("bfloat16", "float16")
-    assert (DEFAULT_DRAFTER_DIR / "README.md").exists() and (DEFAULT_POLICY_DIR / "README.md").exists()
+    assert (DEFAULT_DRAFTER_DIR / "README.md").exists()
+    for policy_dir in (DEFAULT_POLICY_DIR, DEFAULT_LOOKUP_POLICY_DIR):
+        assert sum(p.stat().st_size for p in policy_dir.iterdir()) < 5e6
+        assert {p.name for p in policy_dir.iterdir()} == {"README.md", "config.json", "model.safetensors"}
+
+
+def test_the_default_policy_matches_the_prompt_lookup_setting():
+    """Each embedded policy was trained on labels of decoding with prompt lookup off / on, for the embedded pair."""
+    plain, lookup = resolve_policy("default"), resolve_policy("default", prompt_lookup=True)
+    assert (plain.prompt_lookup, lookup.prompt_lookup) == (False, True)
+    assert plain.drafter_fingerprint == lookup.drafter_fingerprint
+    assert "| prompt lookup | on" in (DEFAULT_LOOKUP_POLICY_DIR / "README.md").read_text()
 
 
 def test_default_drafter_is_lossless_and_drafts_usefully(default_pair):
@@ -82,3 +98,17 @@ def test_generate_command_uses_the_embedded_policy(default_pair, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["identical_to_plain"] is True
     assert result["block_size"] in resolve_policy("default").candidates
+
+
+def test_generate_with_prompt_lookup_uses_the_lookup_policy(default_pair, capsys):
+    import warnings
+
+    from hf_blockpilot.cli import main
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*prompt lookup.*")  # a policy for the other setting would warn
+        assert main(["generate", "Name a color.", "--max-new-tokens", "16", "--compare", "--no-stream", "--json",
+                     "--prompt-lookup"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical_to_plain"] is True and "lookup_rounds" in result
+    assert result["block_size"] in resolve_policy("default", prompt_lookup=True).candidates
