@@ -46,7 +46,8 @@ def test_collect_train_evaluate(tmp_path, capsys):
     assert policy.candidates == [1, 3, 6] and policy.feature_layers == [1, 3]
     assert (policy_dir / "training_report.json").exists() and (policy_dir / "objectives.json").exists()
     assert policy.report["validation_prompts"] > 0  # kept in config.json, rendered on the card
-    assert policy.prompt_lookup is False and "| prompt lookup | off |" in (policy_dir / "README.md").read_text()
+    card = (policy_dir / "README.md").read_text()
+    assert policy.prompt_lookup is False and "| prompt lookup | off |" in card and "prompt_lookup = True" not in card
     assert "accuracy vs per-prompt oracle b" in (policy_dir / "README.md").read_text()
 
     capsys.readouterr()
@@ -122,4 +123,6 @@ def test_a_policy_trained_on_prompt_lookup_labels_records_it(tmp_path):
     out = tmp_path / "policy"
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--objective", "acceptance"]) == 0
     assert BlockPilotPolicy.from_pretrained(out).prompt_lookup is True
-    assert "| prompt lookup | on (labels collected with `--prompt-lookup`" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "| prompt lookup | on (labels collected with `--prompt-lookup`" in card
+    assert "drafter.prompt_lookup = True" in card
