@@ -23,6 +23,11 @@ def _add_lookup_arg(parser: argparse.ArgumentParser) -> None:
                         help="rounds whose last tokens occurred earlier draft their continuation (lossless)")
 
 
+def _add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", dest="use_policy", default="default",
+                        help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+
+
 def _load(args: argparse.Namespace):
     from .defaults import resolve_drafter, resolve_policy, resolve_target
 
@@ -339,8 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--block-size", type=int, default=None, help="fixed block size (turns the policy off)")
-    p.add_argument("--policy", dest="use_policy", default="default",
-                   help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+    _add_optional_policy_arg(p)
     p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
@@ -452,8 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots")
     _add_model_args(p)
     _add_lookup_arg(p)
-    p.add_argument("--policy", dest="use_policy", default="default",
-                   help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+    _add_optional_policy_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
     p.add_argument("--block-sizes", type=int, nargs="+", default=None)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -466,8 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="Gradio demo: plain vs BlockPilot side by side, rounds highlighted")
     _add_model_args(p)
     _add_lookup_arg(p)
-    p.add_argument("--policy", dest="use_policy", default="default",
-                   help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+    _add_optional_policy_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="Gradio share link")
