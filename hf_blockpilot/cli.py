@@ -5,10 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import torch
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
+    return value
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +44,13 @@ def _add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from .defaults import resolve_drafter, resolve_policy, resolve_target
+    from .defaults import checked_source, resolve_drafter, resolve_policy, resolve_target
 
+    # a mistyped directory fails before any model is loaded
+    policy_source = getattr(args, "use_policy", None) or getattr(args, "policy", None)
+    for what, source in (("target", args.target), ("drafter", args.drafter), ("policy", policy_source)):
+        if source is not None and source not in ("default", "none"):
+            checked_source(source, what)
     target, tokenizer = resolve_target(args.target, dtype=args.dtype, device=args.device)
     drafter = resolve_drafter(args.drafter, dtype=args.dtype, device=args.device)
     drafter.prompt_lookup = getattr(args, "prompt_lookup", False)
@@ -285,11 +305,13 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from .datasets import load_prompts
+    from .defaults import resolve_policy
     from .evaluation import decode_methods, summarize_methods
-    from .policy import BlockPilotPolicy
 
     target, tokenizer, drafter = _load(args)
-    policy = BlockPilotPolicy.from_pretrained(args.policy).to(target.device)
+    policy = resolve_policy(args.policy, device=target.device, prompt_lookup=drafter.prompt_lookup)
+    if policy is None:
+        raise ValueError(f"--policy {args.policy!r} gives no policy; pass a policy Hub id or directory")
     block_sizes = args.block_sizes or [b for b in policy.candidates if b > 1]
     output = {}
     for name in args.datasets:
@@ -341,9 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     _add_model_args(p)
     _add_lookup_arg(p)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--block-size", type=int, default=None, help="fixed block size (turns the policy off)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="fixed block size (turns the policy off)")
     _add_optional_policy_arg(p)
     p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
     p.add_argument("--no-stream", action="store_true")
@@ -358,21 +380,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-prompts", type=int, default=2000, help="general chat prompts answered by the target")
     p.add_argument("--prompts-file", nargs="+", default=None,
                    help="more prompts for the target to answer: JSON lines with \"prompt\" and an optional unique \"id\"")
-    p.add_argument("--generation-batch-size", type=int, default=64, help="prompts answered per target generate call")
-    p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--generation-batch-size", type=_positive_int, default=64, help="prompts answered per target generate call")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=192)
+    p.add_argument("--num-layers", type=_positive_int, default=1)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)")
     p.add_argument("--mask-token-id", type=int, default=None, help="id for draft slots (default: last embedding row)")
     p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
     p.add_argument("--refresh-draft-vocab", action="store_true",
                    help="when resuming, rebuild the reduced vocabulary from the current data (e.g. after adding chat prompts)")
-    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--max-steps", type=_positive_int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--anchors", type=int, default=32)
-    p.add_argument("--sequences-per-step", type=int, default=4, help="sequences per optimizer step (one forward)")
+    p.add_argument("--anchors", type=_positive_int, default=32)
+    p.add_argument("--sequences-per-step", type=_positive_int, default=4, help="sequences per optimizer step (one forward)")
     p.add_argument("--no-hidden-cache", action="store_true",
                    help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)")
     p.add_argument("--validation-fraction", type=float, default=0.02, help="sequences held out to track τ")
@@ -387,9 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_lookup_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", nargs="+", type=int, default=[4, 8, 16])
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-sizes", nargs="+", type=_positive_int, default=[4, 8, 16])
+    p.add_argument("--limit", type=_positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--output", default=None, help="write the reports as JSON")
     p.add_argument("--card", default=None, help="write a model card (README.md) with the measured τ here")
     p.add_argument("--card-name", default=None)
@@ -404,19 +426,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--dataset", nargs="+", default=["stdlib"],
                    help="stdlib / chat (training-prompt generators) and/or evaluation set names")
-    p.add_argument("--num-prompts", type=int, default=200, help="prompts per dataset")
+    p.add_argument("--num-prompts", type=_positive_int, default=200, help="prompts per dataset")
     p.add_argument("--exclude-responses", default=None,
                    help="a drafter's responses.jsonl: its prompts are left out of stdlib/chat")
-    p.add_argument("--candidates", type=int, nargs="+", default=[1, 4, 8, 12, 16, 20])
+    p.add_argument("--candidates", type=_positive_int, nargs="+", default=[1, 4, 8, 12, 16, 20])
     p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperatures", type=_non_negative_float, nargs="+", default=[0.0, 1.0],
                    help="label each prompt at these sampling temperatures (0 = greedy; T>0: expected acceptance)")
     p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="skip timing the cost model")
     p.add_argument("--verify", type=int, default=0, metavar="N",
                    help="first check replay == real decoding on N prompts (and time both)")
     p.add_argument("--shard", type=int, default=0)
-    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--num-shards", type=_positive_int, default=1)
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=cmd_collect)
 
@@ -424,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--labels", required=True, help="a `collect` output directory")
     p.add_argument("--output", required=True, help="directory for the policy checkpoint")
-    p.add_argument("--candidates", type=int, nargs="+", default=None, help="a subset of the collected block sizes")
+    p.add_argument("--candidates", type=_positive_int, nargs="+", default=None, help="a subset of the collected block sizes")
     p.add_argument("--loss", choices=["regret", "ce"], default="regret")
     p.add_argument("--objective", choices=["throughput", "acceptance"], default="throughput")
     p.add_argument("--cost-model", default=None,
@@ -436,20 +458,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure-cost", help="time verify rounds per block size on this device (a policy's cost model)")
     _add_model_args(p)
     p.add_argument("--output", required=True, help="where to write cost_model.json")
-    p.add_argument("--candidates", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 20])
-    p.add_argument("--context-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per block size (median; raise on noisy hosts)")
+    p.add_argument("--candidates", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 12, 16, 20])
+    p.add_argument("--context-tokens", type=_positive_int, default=256)
+    p.add_argument("--repeats", type=_positive_int, default=20, help="timed calls per block size (median; raise on noisy hosts)")
     p.set_defaults(func=cmd_measure_cost)
 
     p = sub.add_parser("evaluate-policy", help="real decoding with the policy vs each fixed b and the oracle")
     _add_model_args(p)
     _add_lookup_arg(p)
-    p.add_argument("--policy", required=True, help="policy Hub id or directory")
+    p.add_argument("--policy", required=True,
+                   help="policy Hub id or directory; 'default': the embedded one (embedded pair only)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", type=int, nargs="+", default=None, help="default: the policy's candidates")
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--block-sizes", type=_positive_int, nargs="+", default=None, help="default: the policy's candidates")
+    p.add_argument("--limit", type=_positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--repeats", type=_positive_int, default=1)
     p.add_argument("--output", default=None)
     p.set_defaults(func=cmd_evaluate_policy)
 
@@ -458,11 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_arg(p)
     _add_optional_policy_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
-    p.add_argument("--block-sizes", type=int, nargs="+", default=None)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--block-sizes", type=_positive_int, nargs="+", default=None)
+    p.add_argument("--temperatures", type=_non_negative_float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--limit", type=_positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--repeats", type=_positive_int, default=3)
     p.add_argument("--output-dir", default="bench-results")
     p.set_defaults(func=cmd_bench)
 
@@ -485,7 +508,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(message)s"))
         package_logger.addHandler(handler)
         package_logger.setLevel(logging.INFO)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"hf-blockpilot {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as error:  # bad input or missing files: say what, not where
+        if os.environ.get("HF_BLOCKPILOT_DEBUG"):
+            raise
+        print(f"hf-blockpilot {args.command}: error: {error}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +26,14 @@ __all__ = [
     "DEFAULT_TARGET_NAME",
     "GGUF_FILENAME",
     "INSTALL_HINT",
+    "checked_source",
     "convert_default_target",
     "default_cache_dir",
     "default_target_dir",
     "find_smollm2_gguf",
     "load_default_target",
+    "resolve_drafter",
+    "resolve_policy",
     "resolve_target",
 ]
 
@@ -225,6 +230,34 @@ def load_default_target(
     return model, tokenizer
 
 
+def checked_source(name_or_path: str | os.PathLike[str], what: str) -> str:
+    """`name_or_path` as a string, after checking it can name something: an existing directory, or text shaped
+    like a Hub id (``owner/name``). A missing directory fails here, with its path, not later as a bad repo id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise NotADirectoryError(f"{what} {str(name_or_path)!r} is a file: pass the directory that holds its config.json")
+    try:
+        validate_repo_id(str(name_or_path))
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"{what} {str(name_or_path)!r}: no such directory, and not a Hub id (those look like owner/name)"
+        ) from None
+    return str(name_or_path)
+
+
+@contextmanager
+def _loading(what: str, source: str) -> Iterator[None]:
+    """Name what was being loaded in a loader's file or Hub error (e.g. offline and not in the cache)."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(f"could not load the {what} {source!r}: {error}") from error
+
+
 def resolve_target(
     name_or_path: str | os.PathLike[str] | None = None,
     dtype: torch.dtype | str = torch.float32,
@@ -240,10 +273,12 @@ def resolve_target(
         return load_default_target(dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=_resolve_dtype(dtype))
+    source = checked_source(name_or_path, "target")
+    with _loading("target", source):
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype))
+        tokenizer = AutoTokenizer.from_pretrained(source)
     model.to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     return model, tokenizer
 
 
@@ -259,14 +294,15 @@ def resolve_drafter(
     """Load a `BlockDiffusionDrafter` by Hub id or local directory; `None` gives the embedded default."""
     from .modeling_block_diffusion import BlockDiffusionDrafter
 
-    path = DEFAULT_DRAFTER_DIR if name_or_path is None else name_or_path
+    path = DEFAULT_DRAFTER_DIR if name_or_path is None else checked_source(name_or_path, "drafter")
     if name_or_path is None and not (DEFAULT_DRAFTER_DIR / "config.json").exists():
         raise FileNotFoundError(
             f"the embedded default drafter is missing from {DEFAULT_DRAFTER_DIR}; reinstall hf-blockpilot or pass "
             "--drafter with a Hub id or a directory"
         )
     torch_dtype = _resolve_dtype(dtype)
-    drafter = BlockDiffusionDrafter.from_pretrained(str(path), **({} if torch_dtype == "auto" else {"dtype": torch_dtype}))
+    with _loading("drafter", str(path)):
+        drafter = BlockDiffusionDrafter.from_pretrained(str(path), **({} if torch_dtype == "auto" else {"dtype": torch_dtype}))
     return drafter.to(device).eval()
 
 
@@ -291,4 +327,7 @@ def resolve_policy(
         name_or_path = DEFAULT_LOOKUP_POLICY_DIR if prompt_lookup else DEFAULT_POLICY_DIR
         if not (name_or_path / "config.json").exists():
             return None
-    return BlockPilotPolicy.from_pretrained(str(name_or_path)).to(device).eval()
+    source = checked_source(name_or_path, "policy")
+    with _loading("policy", source):
+        policy = BlockPilotPolicy.from_pretrained(source)
+    return policy.to(device).eval()

@@ -112,3 +112,31 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
     assert code == 0
     assert [seq.id for seq in read_sequences(run / "data")] == ["mine/0", "mine/1", "mine/2"]
     assert (run / "checkpoint" / "model.safetensors").exists() and not (run / "hidden").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--temperature", "-1", "must be >= 0"), ("--max-new-tokens", "0", "must be a positive integer")],
+)
+def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_missing_drafter_directory_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    from hf_blockpilot import defaults
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the sources were checked")
+
+    monkeypatch.setattr(defaults, "resolve_target", no_loading)
+    missing = tmp_path / "drafter"
+    assert main(["eval-drafter", "--drafter", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"hf-blockpilot eval-drafter: error: drafter '{missing}': no such directory" in err
+    assert "Traceback" not in err and "HF_BLOCKPILOT_DEBUG=1" in err
+    monkeypatch.setenv("HF_BLOCKPILOT_DEBUG", "1")
+    with pytest.raises(FileNotFoundError):
+        main(["eval-drafter", "--drafter", str(missing)])

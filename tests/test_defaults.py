@@ -148,3 +148,21 @@ def test_convert_and_load_default_target(monkeypatch: pytest.MonkeyPatch, tmp_pa
         converted = model.generate(**inputs, **kwargs)
         reference = loaded["model"].generate(**inputs, **kwargs)
     assert converted.tolist() == reference.tolist()
+
+
+def test_sources_that_cannot_name_a_model_fail_with_the_path(tmp_path: Path) -> None:
+    """A missing directory or a file fails at once, naming it, instead of as a malformed Hub repo id."""
+    (tmp_path / "config.json").write_text("{}")
+    assert defaults.checked_source(tmp_path, "drafter") == str(tmp_path)
+    assert defaults.checked_source("z-lab/Qwen3-4B-DFlash-b16", "drafter") == "z-lab/Qwen3-4B-DFlash-b16"
+    with pytest.raises(FileNotFoundError, match=r"drafter '.*/missing': no such directory"):
+        defaults.resolve_drafter(tmp_path / "missing")
+    with pytest.raises(NotADirectoryError, match=r"config.json' is a file"):
+        defaults.resolve_policy(tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match="target './runs/x/y': no such directory"):
+        defaults.resolve_target("./runs/x/y")
+
+
+def test_a_directory_without_weights_names_what_was_loading(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match=f"could not load the drafter '{tmp_path}'"):
+        defaults.resolve_drafter(tmp_path)
