@@ -513,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"hf-blockpilot {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as error:  # bad input or missing files: say what, not where
+    except (ValueError, OSError, ModuleNotFoundError) as error:  # bad input, missing files or packages
         if os.environ.get("HF_BLOCKPILOT_DEBUG"):
             raise
         print(f"hf-blockpilot {args.command}: error: {error}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)",
