@@ -3,6 +3,8 @@
 #   bash examples/policy_end_to_end.sh [OUT_DIR] [HUB_REPO]
 # Pass --target/--drafter through MODEL_ARGS for another pair, e.g.
 #   MODEL_ARGS="--target Qwen/Qwen3-4B --drafter z-lab/Qwen3-4B-DFlash-b16 --dtype bfloat16" bash examples/policy_end_to_end.sh
+# Sizes: NUM_PROMPTS (label prompts, default 200), CANDIDATES (block sizes, default "1 4 8 12 16 20"),
+# LIMIT (evaluation prompts per dataset, default 20).
 set -euo pipefail
 OUT="${1:-runs/policy}"
 REPO="${2:-}"

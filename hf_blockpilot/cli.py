@@ -430,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-responses", default=None,
                    help="a drafter's responses.jsonl: its prompts are left out of stdlib/chat")
     p.add_argument("--candidates", type=_positive_int, nargs="+", default=[1, 4, 8, 12, 16, 20])
-    p.add_argument("--feature-layers", type=int, nargs="+", default=[14, 28])
+    p.add_argument("--feature-layers", type=int, nargs="+", default=None,
+                   help="target layers the policy reads (default: the middle and second-to-last: 14 28 on a 30-layer target)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperatures", type=_non_negative_float, nargs="+", default=[0.0, 1.0],
                    help="label each prompt at these sampling temperatures (0 = greedy; T>0: expected acceptance)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,26 @@ def drafter_fingerprint(drafter: nn.Module) -> str:
     """A short hash of the drafter's context projection, stable across fp32/bf16 loading."""
     weight = drafter.fc.weight.detach().to("cpu", torch.bfloat16).float().contiguous()
     return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
+
+
+def default_feature_layers(target: nn.Module) -> list[int]:
+    """The layers whose states the policy reads by default: the middle and the second-to-last one."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    return sorted({max(num_layers // 2 - 1, 0), max(num_layers - 2, 0)})
+
+
+def checked_feature_layers(target: nn.Module, feature_layers: Sequence[int] | None) -> list[int]:
+    """`feature_layers` (or the default) after checking each is a layer id of `target`."""
+    if feature_layers is None:
+        return default_feature_layers(target)
+    num_layers = target.config.get_text_config().num_hidden_layers
+    wrong = [i for i in feature_layers if not 0 <= i < num_layers]
+    if wrong or not feature_layers:
+        raise ValueError(
+            f"feature layers {list(feature_layers)}: the target has {num_layers} layers, so ids 0..{num_layers - 1} "
+            f"(out of range: {wrong}); leave them out for the default {default_feature_layers(target)}"
+        )
+    return list(feature_layers)
 
 
 def prefill_features(outputs: Any, feature_layers: list[int], lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:

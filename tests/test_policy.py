@@ -15,7 +15,7 @@ from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
 from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy
-from hf_blockpilot.policy import NUM_SCALAR_FEATURES, drafter_fingerprint, prefill_features
+from hf_blockpilot.policy import NUM_SCALAR_FEATURES, checked_feature_layers, drafter_fingerprint, prefill_features
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 
@@ -286,3 +286,11 @@ def test_non_finite_features_are_an_error_not_a_silent_choice(target):
     out.hidden_states[2][0, -1, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite prefill features"):
         policy.choose_block_size(out, target.get_output_embeddings())
+
+
+def test_feature_layers_default_to_the_middle_and_second_to_last_and_are_checked():
+    assert checked_feature_layers(make_target(layers=30), None) == [14, 28]  # the embedded policies' layers
+    assert checked_feature_layers(make_target(layers=2), None) == [0]
+    assert checked_feature_layers(make_target(layers=4), [3, 0]) == [3, 0]
+    with pytest.raises(ValueError, match=r"the target has 4 layers, so ids 0\.\.3 \(out of range: \[4\]\)"):
+        checked_feature_layers(make_target(layers=4), [1, 4])

@@ -29,7 +29,7 @@ from ..candidate_generator import BlockDiffusionCandidateGenerator
 from ..datasets import PromptRecord
 from ..evaluation import chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from ..policy import prefill_features
+from ..policy import checked_feature_layers, prefill_features
 from ..stats import SpeculationStats
 from .data import generation_eos_ids
 
@@ -210,7 +210,7 @@ def collect_oracle_labels(
     prompts: Sequence[PromptRecord],
     output_dir: str | Path,
     candidates: Sequence[int],
-    feature_layers: Sequence[int],
+    feature_layers: Sequence[int] | None = None,
     max_new_tokens: int = 128,
     shard: int = 0,
     num_shards: int = 1,
@@ -219,8 +219,10 @@ def collect_oracle_labels(
     """Append an `OracleRecord` per prompt and temperature to `output_dir/labels-<shard>.jsonl` (resumable,
     shardable).
 
-    Prompts are split round-robin over `num_shards` processes; a manifest records the setup.
+    Prompts are split round-robin over `num_shards` processes; a manifest records the setup. The policy's
+    features read the target layers `feature_layers` (default: `default_feature_layers(target)`).
     """
+    feature_layers = checked_feature_layers(target, feature_layers)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
