@@ -32,6 +32,15 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 
+# Transformers 5.23 keeps `output_hidden_states=[indices]` at their usual positions (None elsewhere); 5.17
+# drops the embeddings entry and shifts the rest, so it is only used where this helper exists.
+try:
+    from transformers.utils.output_capturing import resolve_hidden_states_indices  # noqa: F401
+
+    _SELECTION_KEEPS_POSITIONS = True
+except ImportError:
+    _SELECTION_KEEPS_POSITIONS = False
+
 # Transformers releases up to about 5.22 end a round early when the *candidate* sequence meets a stopping
 # criterion, even with no candidates: a prompt that ends in EOS would then stop generation at once.
 _LOOP_CHECKS_CANDIDATES_FOR_STOP = "is_done_candidate" in inspect.getsource(GenerationMixin._assisted_decoding)
@@ -45,9 +54,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
     """
 
     requires_model_outputs = True
-    # The full tuple keeps the `hidden_states[i + 1]` indexing identical across Transformers 5.x releases
-    # (a list of layers is indexed differently in 5.17 and 5.23); the tensors exist anyway.
-    model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}
+    model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}  # set per request in __init__
 
     def __init__(
         self,
@@ -87,6 +94,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.block_size: int | None = None
         self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1])
         drafter.last_stats = self.stats
+        self.model_kwargs_overrides = {"output_hidden_states": self._hidden_states_to_keep()}
 
     # ------------------------------------------------------------------------------------ main contract
     def get_candidates(
@@ -144,12 +152,25 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.stats.block_size = block_size
         return block_size
 
+    def _hidden_states_to_keep(self) -> bool | list[int]:
+        """The target's hidden states that the drafter (and the policy) read, as `hidden_states` indices.
+
+        Where Transformers keeps a selection at its usual positions (5.23), only those are held, which saves
+        memory on long prompts; older releases index a selection differently, so they get all of them.
+        """
+        if not _SELECTION_KEEPS_POSITIONS:
+            return True
+        keep = {i + 1 for i in self.drafter.target_layer_ids}
+        if self.drafter.policy is not None:  # its features: some layers and the final (normed) state
+            keep |= {i + 1 for i in self.drafter.policy.feature_layers} | {-1}
+        return sorted(keep)
+
     def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Target hidden states (at the drafter's layers) and positions of tokens verified since last round."""
         seen = self.cache.get_seq_length()
         num_new = input_ids.shape[1] - 1 - seen  # every committed token but the last went through the target
         hidden_states = getattr(model_outputs, "hidden_states", None)
-        if hidden_states is None or hidden_states[0].shape[1] < num_new:
+        if hidden_states is None or hidden_states[self.drafter.target_layer_ids[0] + 1].shape[1] < num_new:
             raise RuntimeError(
                 "the target forward did not return hidden states for all verified tokens; block-diffusion drafting "
                 "needs a target that honours `output_hidden_states` and a prompt that is not pre-cached."

@@ -72,7 +72,7 @@ def prefill_features(outputs: Any, feature_layers: list[int], lm_head: nn.Module
     log_probs = torch.log_softmax(logits, dim=-1)
     probs = log_probs.exp()
     top2 = probs.topk(2).values
-    length = math.log(hidden_states[0].shape[1])
+    length = math.log(hidden_states[-1].shape[1])
     entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum()  # 0 * log 0 = 0
     request = torch.tensor([length, temperature], device=logits.device)
     stats = torch.cat([torch.stack([entropy, top2[0], top2[0] - top2[1]]), request])

@@ -294,3 +294,28 @@ def test_feature_layers_default_to_the_middle_and_second_to_last_and_are_checked
     assert checked_feature_layers(make_target(layers=4), [3, 0]) == [3, 0]
     with pytest.raises(ValueError, match=r"the target has 4 layers, so ids 0\.\.3 \(out of range: \[4\]\)"):
         checked_feature_layers(make_target(layers=4), [1, 4])
+
+
+def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(target):
+    """Where Transformers keeps a selection at its positions (5.23), the loop asks for just those states, and
+    the drafter's context and the policy's features are the same as from the full tuple."""
+    from hf_blockpilot import candidate_generator
+
+    drafter = make_drafter(target, block_size=4)
+    drafter.set_policy(make_policy(target, drafter))
+    ids = _prompt(length=9)
+    generator = candidate_generator.BlockDiffusionCandidateGenerator(
+        drafter=drafter, target=target, input_ids=ids, generation_config=target.generation_config
+    )
+    keep = generator.model_kwargs_overrides["output_hidden_states"]
+    if not candidate_generator._SELECTION_KEEPS_POSITIONS:
+        assert keep is True
+        return
+    assert keep == sorted({i + 1 for i in drafter.target_layer_ids} | {2, 4} | {-1})  # policy layers 1, 3 + final
+    with torch.no_grad():
+        full, kept = target(ids, output_hidden_states=True), target(ids, output_hidden_states=keep)
+    assert sum(h is not None for h in kept.hidden_states) < len(full.hidden_states)
+    for i in drafter.target_layer_ids:
+        assert torch.equal(kept.hidden_states[i + 1], full.hidden_states[i + 1])
+    head = target.get_output_embeddings()
+    assert torch.equal(prefill_features(kept, [1, 3], head), prefill_features(full, [1, 3], head))
