@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, GenerationMode
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -284,6 +285,12 @@ def _validate_generation_mode(self: GenerationMixin, generation_mode: Any, gener
     drafter = kwargs.get("assistant_model")
     if isinstance(drafter, BlockDiffusionDrafter):
         drafter.check_compatible(self)
+        if generation_mode != GenerationMode.ASSISTED_GENERATION:  # Transformers then ignores the assistant
+            warnings.warn(
+                f"generation mode is {generation_mode.value} (e.g. num_beams > 1), so Transformers does not use the "
+                "drafter: block-diffusion speculative decoding runs with greedy search or sampling (num_beams=1).",
+                stacklevel=3,
+            )
     _stock_validate_generation_mode(self, generation_mode, generation_config, kwargs)
 
 

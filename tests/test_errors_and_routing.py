@@ -156,3 +156,12 @@ def test_stock_assistant_goes_through_stock_transformers(target, built_generator
     assert torch.equal(_greedy(target, prompt, assistant_model=drafter), expected)
     assert type(built_generators[-1]) is BlockDiffusionCandidateGenerator
     assert drafter.last_stats is not None and drafter.last_stats.drafter_forwards > 0
+
+
+def test_beam_search_with_a_drafter_warns_that_the_drafter_is_unused(target):
+    """Transformers runs beam search and ignores any assistant when num_beams > 1; say so instead of silently."""
+    drafter = make_drafter(target)
+    with pytest.warns(UserWarning, match=r"generation mode is beam_search .* does not use the drafter"):
+        out = target.generate(_prompt(), assistant_model=drafter, num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, target.generate(_prompt(), num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert drafter.last_stats is None
