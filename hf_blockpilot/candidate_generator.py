@@ -163,7 +163,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             return True
         keep = {i + 1 for i in self.drafter.target_layer_ids}
         if self.drafter.policy is not None:  # its features: some layers and the final (normed) state
-            keep |= {i + 1 for i in self.drafter.policy.feature_layers} | {-1}
+            feature_layers = getattr(self.drafter.policy, "feature_layers", None)
+            if feature_layers is None:  # a policy of another kind may read any of them
+                return True
+            keep |= {i + 1 for i in feature_layers} | {-1}
         return sorted(keep)
 
     def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
