@@ -26,9 +26,10 @@ import os
 import random
 import re
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 __all__ = [
     "EVAL_DATASETS",

@@ -180,7 +180,7 @@ class BlockPilotPolicy(
                 "logits); check the target's dtype and inputs, or detach the policy with drafter.set_policy(None)."
             )
         chosen = self.candidates[int(probs.argmax())]
-        return chosen, {b: float(p) for b, p in zip(self.candidates, probs)}
+        return chosen, {b: float(p) for b, p in zip(self.candidates, probs, strict=True)}
 
     def check_compatible(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
         """Error if the features cannot come from `target`; warn if trained for another drafter, for decoding

@@ -86,7 +86,7 @@ class ScriptedDrafter(BlockDiffusionDrafter):
 
     def rig(
         self, target, script: torch.Tensor, error_rate: float, seed: int = 0, by_position: bool = False
-    ) -> "ScriptedDrafter":
+    ) -> ScriptedDrafter:
         """`by_position`: whether a slot errs depends only on the (anchor, slot) position, not on the call order."""
         self.script = script.view(-1)
         self.error_rate = error_rate

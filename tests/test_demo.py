@@ -5,11 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import threading
-import time
 
 import pytest
-import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
 from hf_blockpilot.demo import compare_stream, rounds_html
@@ -59,7 +56,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_demo_in_a_real_browser(tmp_path):
-    gr = pytest.importorskip("gradio")
+    pytest.importorskip("gradio")
     playwright = pytest.importorskip("playwright.sync_api")
     from hf_blockpilot.demo import build_demo
 

@@ -29,7 +29,7 @@ def test_measure_tau_pools_the_generators_statistics():
     for b in (2, 4):
         tokens = forwards = committed = rounds = 0
         drafter.block_size = b
-        for record in prompts:
+        for _ in prompts:  # the same text twice, as measure_tau decoded it
             target.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
             stats = drafter.last_stats
             tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forwards

@@ -136,7 +136,7 @@ def generate_responses(
                     do_sample=False,
                     pad_token_id=pad_id,
                 )[:, width:].tolist()
-                for (seq_id, ids), response in zip(batch, out):
+                for (seq_id, ids), response in zip(batch, out, strict=True):
                     end = next((i + 1 for i, tok in enumerate(response) if tok in eos_ids), len(response))
                     response = response[:end]
                     f.write(json.dumps({"id": seq_id, "prompt_ids": ids, "response_ids": response}) + "\n")

@@ -148,8 +148,8 @@ class DrafterTrainer:
         self.drafter = drafter.train()
         usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
         held_out = [is_validation_sequence(s.id, config.validation_fraction) for s in usable]
-        self.sequences = [s for s, v in zip(usable, held_out) if not v]
-        self.validation = sorted((s for s, v in zip(usable, held_out) if v), key=lambda s: s.id)
+        self.sequences = [s for s, v in zip(usable, held_out, strict=True) if not v]
+        self.validation = sorted((s for s, v in zip(usable, held_out, strict=True) if v), key=lambda s: s.id)
         self.validation = self.validation[: config.validation_max_sequences]
         if not self.sequences:
             raise ValueError("no training sequence has a response of at least 2 tokens")
