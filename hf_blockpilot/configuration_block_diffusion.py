@@ -92,6 +92,12 @@ class BlockDiffusionConfig(Qwen3Config):
                 f"expected architectures=['{DFLASH_ARCHITECTURE}']. Pass the drafter's repo id or directory, "
                 "not the target's."
             )
+        elif "dflash_config" not in config_dict:
+            hint = " (it holds a BlockPilot policy: load it with BlockPilotPolicy.from_pretrained)" if "candidates" in config_dict else ""
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is not a DFlash drafter checkpoint: its config has no "
+                f"`dflash_config`{hint}. Pass the drafter's repo id or directory."
+            )
         return config_dict, kwargs
 
     def to_dict(self) -> dict[str, Any]:

@@ -229,6 +229,13 @@ class BlockPilotPolicy(
         """Load from a Hub repo id or a directory; strict by default (missing or extra tensors are an error)."""
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, strict=strict, **kwargs)
+        except TypeError as err:  # the config lacks the policy's own fields: another kind of checkpoint
+            if "required positional argument" not in str(err):
+                raise
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is not a BlockPilot policy checkpoint ({err}); pass the policy's "
+                "repo id or directory, not the drafter's or the target's"
+            ) from None
         except RuntimeError as err:
             if "Missing key" in str(err) or "Unexpected key" in str(err) or "Error(s) in loading" in str(err):
                 raise ValueError(

@@ -366,6 +366,23 @@ def test_loading_a_target_checkpoint_as_drafter_fails_clearly(tmp_path, family):
         BlockDiffusionDrafter.from_pretrained(tmp_path / family)
 
 
+def test_drafter_and_policy_checkpoints_are_not_taken_for_each_other(tmp_path):
+    from hf_blockpilot import BlockPilotPolicy
+
+    target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN)
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    BlockPilotPolicy(candidates=[1, 4], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
+                     target_num_layers=TARGET_LAYERS).save_pretrained(tmp_path / "policy")
+    with pytest.raises(ValueError, match=r"not a DFlash drafter checkpoint: its config has no `dflash_config` "
+                                         r"\(it holds a BlockPilot policy"):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "policy")
+    for other in ("drafter", "target"):
+        if other == "target":
+            target.save_pretrained(tmp_path / "target")
+        with pytest.raises(ValueError, match=r"is not a BlockPilot policy checkpoint .*'candidates'"):
+            BlockPilotPolicy.from_pretrained(tmp_path / other)
+
+
 def _write_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> str:
     """Lay `files` out like huggingface_hub's cache: blobs + snapshot symlinks + refs/main."""
     commit = hashlib.sha1(repo_id.encode()).hexdigest()
