@@ -26,6 +26,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _SortedDistinct(argparse.Action):
+    """For lists of block sizes: sorted, each once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, sorted(set(values)))
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="drafter Hub id or directory (default: the embedded drafter)")
@@ -250,9 +257,12 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     from .training.oracle import read_oracle_labels
     from .training.policy_training import CostModel, PolicyTrainingConfig, train_policy
 
-    target, _, drafter = _load(args)
     labels = Path(args.labels)
+    if not (labels / "manifest.json").is_file():
+        raise FileNotFoundError(f"no labels in {labels} (no manifest.json): collect them first with "
+                                f"`hf-blockpilot collect --output-dir {labels}`")
     manifest = json.loads((labels / "manifest.json").read_text())
+    target, _, drafter = _load(args)
     records = read_oracle_labels(labels)
     cost_path = Path(args.cost_model) if args.cost_model else labels / "cost_model.json"
     if args.cost_model and not cost_path.is_file():
@@ -409,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_lookup_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", nargs="+", type=_positive_int, default=[4, 8, 16])
+    p.add_argument("--block-sizes", nargs="+", type=_positive_int, action=_SortedDistinct, default=[4, 8, 16])
     p.add_argument("--limit", type=_positive_int, default=None)
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--output", default=None, help="write the reports as JSON")
@@ -429,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=_positive_int, default=200, help="prompts per dataset")
     p.add_argument("--exclude-responses", default=None,
                    help="a drafter's responses.jsonl: its prompts are left out of stdlib/chat")
-    p.add_argument("--candidates", type=_positive_int, nargs="+", default=[1, 4, 8, 12, 16, 20])
+    p.add_argument("--candidates", type=_positive_int, nargs="+", action=_SortedDistinct, default=[1, 4, 8, 12, 16, 20])
     p.add_argument("--feature-layers", type=int, nargs="+", default=None,
                    help="target layers the policy reads (default: the middle and second-to-last: 14 28 on a 30-layer target)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -447,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--labels", required=True, help="a `collect` output directory")
     p.add_argument("--output", required=True, help="directory for the policy checkpoint")
-    p.add_argument("--candidates", type=_positive_int, nargs="+", default=None, help="a subset of the collected block sizes")
+    p.add_argument("--candidates", type=_positive_int, nargs="+", action=_SortedDistinct, default=None, help="a subset of the collected block sizes")
     p.add_argument("--loss", choices=["regret", "ce"], default="regret")
     p.add_argument("--objective", choices=["throughput", "acceptance"], default="throughput")
     p.add_argument("--cost-model", default=None,
@@ -459,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure-cost", help="time verify rounds per block size on this device (a policy's cost model)")
     _add_model_args(p)
     p.add_argument("--output", required=True, help="where to write cost_model.json")
-    p.add_argument("--candidates", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 12, 16, 20])
+    p.add_argument("--candidates", type=_positive_int, nargs="+", action=_SortedDistinct, default=[1, 2, 4, 8, 12, 16, 20])
     p.add_argument("--context-tokens", type=_positive_int, default=256)
     p.add_argument("--repeats", type=_positive_int, default=20, help="timed calls per block size (median; raise on noisy hosts)")
     p.set_defaults(func=cmd_measure_cost)
@@ -470,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True,
                    help="policy Hub id or directory; 'default': the embedded one (embedded pair only)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", type=_positive_int, nargs="+", default=None, help="default: the policy's candidates")
+    p.add_argument("--block-sizes", type=_positive_int, nargs="+", action=_SortedDistinct, default=None, help="default: the policy's candidates")
     p.add_argument("--limit", type=_positive_int, default=None)
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--repeats", type=_positive_int, default=1)
@@ -482,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_arg(p)
     _add_optional_policy_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
-    p.add_argument("--block-sizes", type=_positive_int, nargs="+", default=None)
+    p.add_argument("--block-sizes", type=_positive_int, nargs="+", action=_SortedDistinct, default=None)
     p.add_argument("--temperatures", type=_non_negative_float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--limit", type=_positive_int, default=None)
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)

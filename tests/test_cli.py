@@ -11,7 +11,7 @@ import torch
 from conftest import make_target, save_tiny_pair
 
 from hf_blockpilot import BlockDiffusionDrafter
-from hf_blockpilot.cli import main
+from hf_blockpilot.cli import build_parser, main
 from hf_blockpilot.training.data import RESPONSES_FILE, read_sequences
 from hf_blockpilot.training.drafter import DrafterTrainingConfig, train_drafter
 
@@ -140,3 +140,16 @@ def test_a_missing_drafter_directory_fails_before_any_model_loads(tmp_path, caps
     monkeypatch.setenv("HF_BLOCKPILOT_DEBUG", "1")
     with pytest.raises(FileNotFoundError):
         main(["eval-drafter", "--drafter", str(missing)])
+
+
+def test_block_size_lists_are_sorted_and_distinct():
+    assert build_parser().parse_args(["bench", "--block-sizes", "8", "4", "8"]).block_sizes == [4, 8]
+    assert build_parser().parse_args(["collect", "--output-dir", "x", "--candidates", "4", "1", "4"]).candidates == [1, 4]
+
+
+def test_train_policy_without_labels_says_to_collect_them(tmp_path, capsys, monkeypatch):
+    from hf_blockpilot import defaults
+
+    monkeypatch.setattr(defaults, "resolve_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["train-policy", "--labels", str(tmp_path / "labels"), "--output", str(tmp_path / "policy")]) == 2
+    assert f"hf-blockpilot collect --output-dir {tmp_path / 'labels'}" in capsys.readouterr().err
