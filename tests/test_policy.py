@@ -319,3 +319,24 @@ def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(tar
         assert torch.equal(kept.hidden_states[i + 1], full.hidden_states[i + 1])
     head = target.get_output_embeddings()
     assert torch.equal(prefill_features(kept, [1, 3], head), prefill_features(full, [1, 3], head))
+
+
+def test_the_drafter_fingerprint_is_hashed_once_per_version_of_the_weight(target, monkeypatch):
+    """`generate` checks it on every call with a policy; hashing copies the projection to the host each time."""
+    from hf_blockpilot import policy as policy_module
+
+    drafter = make_drafter(target)
+    first = drafter_fingerprint(drafter)
+    hashes = []
+    real_sha256 = policy_module.hashlib.sha256
+    monkeypatch.setattr(policy_module.hashlib, "sha256", lambda data: hashes.append(1) or real_sha256(data))
+    assert drafter_fingerprint(drafter) == first and hashes == []  # cached
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] += 1.0  # an in-place update (e.g. a training step)
+    assert drafter_fingerprint(drafter) != first and len(hashes) == 1
+    drafter.to(torch.float64)  # another tensor
+    drafter_fingerprint(drafter)
+    assert len(hashes) == 2
+    with torch.inference_mode():
+        frozen = make_drafter(target)
+        assert drafter_fingerprint(frozen) == drafter_fingerprint(frozen) and len(hashes) == 4  # no version: rehash
