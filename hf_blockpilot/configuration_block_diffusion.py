@@ -92,6 +92,11 @@ class BlockDiffusionConfig(Qwen3Config):
                 f"expected architectures=['{DFLASH_ARCHITECTURE}']. Pass the drafter's repo id or directory, "
                 "not the target's."
             )
+        elif not config_dict:  # a local directory without config.json reads as an empty config
+            raise FileNotFoundError(
+                f"{pretrained_model_name_or_path} has no config.json: pass the drafter's repo id or the directory "
+                "that holds its config.json and weights"
+            )
         elif "dflash_config" not in config_dict:
             hint = " (it holds a BlockPilot policy: load it with BlockPilotPolicy.from_pretrained)" if "candidates" in config_dict else ""
             raise ValueError(
