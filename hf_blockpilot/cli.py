@@ -8,8 +8,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
 def _positive_int(text: str) -> int:
@@ -50,7 +56,8 @@ def _add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
                         help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
+    """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags."""
     from .defaults import checked_source, resolve_drafter, resolve_policy, resolve_target
 
     # a mistyped directory fails before any model is loaded
