@@ -364,6 +364,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if mismatches == 0 else 1
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from .environment import environment_report
+
+    report = environment_report()
+    print(json.dumps(report, indent=2) if args.json else "\n".join(f"- {k}: {v}" for k, v in report.items()))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import build_demo
 
@@ -515,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="Gradio share link")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("env", help="versions, devices and embedded assets (paste into bug reports)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env)
     return parser
 
 

@@ -153,3 +153,16 @@ def test_train_policy_without_labels_says_to_collect_them(tmp_path, capsys, monk
     monkeypatch.setattr(defaults, "resolve_target", lambda *a, **k: pytest.fail("a model was loaded"))
     assert main(["train-policy", "--labels", str(tmp_path / "labels"), "--output", str(tmp_path / "policy")]) == 2
     assert f"hf-blockpilot collect --output-dir {tmp_path / 'labels'}" in capsys.readouterr().err
+
+
+def test_env_reports_versions_and_the_embedded_assets(tmp_path, capsys, monkeypatch):
+    import hf_blockpilot
+
+    monkeypatch.setenv("HF_BLOCKPILOT_CACHE", str(tmp_path))
+    assert main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["hf-blockpilot"] == hf_blockpilot.__version__ and report["torch"] == torch.__version__
+    assert report["embedded drafter"] == report["embedded policy"] == "present"
+    assert report["default target"] == f"not converted yet (first use converts it): {tmp_path / 'SmolLM2-135M-Instruct'}"
+    assert main(["env"]) == 0
+    assert f"- transformers: {report['transformers']}" in capsys.readouterr().out.splitlines()
