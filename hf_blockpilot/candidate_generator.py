@@ -205,7 +205,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             cache=self.cache,
         ).last_hidden_state[:, 1:]
         self.stats.drafter_forwards += 1
-        logits = skinny_linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+        # the head may sit on another device than the drafter (a target spread over devices)
+        logits = skinny_linear(hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
         logits = logits.float()
         if self.drafter.d2t is None:
             return logits

@@ -39,11 +39,25 @@ class _SortedDistinct(argparse.Action):
         setattr(namespace, self.dest, sorted(set(values)))
 
 
+def _device(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this torch build or machine has no CUDA; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available here; use --device cpu")
+    return text
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="drafter Hub id or directory (default: the embedded drafter)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _add_lookup_arg(parser: argparse.ArgumentParser) -> None:
@@ -399,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (resumable)")
     p.add_argument("--target", default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=_device, default="cpu")
     p.add_argument("--output-dir", required=True, help="run directory: data, hidden-state cache, checkpoint")
     p.add_argument("--num-prompts", type=int, default=4000, help="stdlib (code) prompts answered by the target")
     p.add_argument("--chat-prompts", type=int, default=2000, help="general chat prompts answered by the target")

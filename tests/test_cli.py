@@ -116,7 +116,8 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--temperature", "-1", "must be >= 0"), ("--max-new-tokens", "0", "must be a positive integer")],
+    [("--temperature", "-1", "must be >= 0"), ("--max-new-tokens", "0", "must be a positive integer"),
+     ("--device", "gpu", "not a torch device: 'gpu'")],
 )
 def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -166,3 +167,10 @@ def test_env_reports_versions_and_the_embedded_assets(tmp_path, capsys, monkeypa
     assert report["default target"] == f"not converted yet (first use converts it): {tmp_path / 'SmolLM2-135M-Instruct'}"
     assert main(["env"]) == 0
     assert f"- transformers: {report['transformers']}" in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_asking_for_cuda_without_it_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--device", "cuda"])
+    assert "argument --device: cuda: this torch build or machine has no CUDA; use --device cpu" in capsys.readouterr().err
