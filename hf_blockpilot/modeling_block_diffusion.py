@@ -22,6 +22,15 @@ from .attention import grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 
 
+def tensor_version(tensor: torch.Tensor) -> tuple | None:
+    """What identifies a tensor's current contents, for caches of values derived from it: its storage, dtype,
+    device and in-place version counter. `None` for inference-mode tensors, which keep no counter."""
+    try:
+        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
+    except RuntimeError:
+        return None
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -195,7 +204,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         self._block_size = config.block_size
         self._policy = None
         self._prompt_lookup = False
-        self._head_cache: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self._head_cache: tuple[tuple | None, torch.Tensor, torch.Tensor | None] | None = None
         self.last_stats = None
         self.post_init()
 
@@ -317,9 +326,9 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         if self.d2t is None:
             return weight, bias
         # The row slice is a copy (19 MB for SmolLM2 at 8k rows): reuse it while head, map and mode are unchanged.
-        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, self.d2t.data_ptr(),
-               self.d2t._version, torch.is_inference_mode_enabled())
-        if self._head_cache is None or self._head_cache[0] != key:
+        versions = (tensor_version(weight), tensor_version(self.d2t))
+        key = (*versions, torch.is_inference_mode_enabled()) if None not in versions else None
+        if key is None or self._head_cache is None or self._head_cache[0] != key:
             d2t = self.d2t.to(weight.device)
             self._head_cache = (key, weight[d2t], None if bias is None else bias[d2t])
         return self._head_cache[1], self._head_cache[2]

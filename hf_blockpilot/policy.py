@@ -19,6 +19,8 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
 from torch import nn
 
+from .modeling_block_diffusion import tensor_version
+
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "policy_card.md"
 NUM_SCALAR_FEATURES = 5  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length, temperature
 
@@ -31,10 +33,7 @@ def drafter_fingerprint(drafter: nn.Module) -> str:
     kept on the drafter until the weight changes (another tensor, or an in-place update such as a training step).
     """
     weight = drafter.fc.weight
-    try:
-        version = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-    except RuntimeError:  # an inference-mode tensor has no version counter: hash it every time
-        version = None
+    version = tensor_version(weight)  # None (an inference-mode tensor): hash it every time
     cached = drafter.__dict__.get("_fingerprint")
     if version is not None and cached is not None and cached[0] == version:
         return cached[1]

@@ -357,6 +357,10 @@ def test_reduced_head_slice_is_reused_until_the_head_or_map_changes(target):
     with torch.inference_mode():  # a slice made under inference mode is never handed to autograd code
         assert drafter.draft_head(head)[0] is not updated
     assert drafter.draft_head(head)[0] is not updated and not drafter.draft_head(head)[0].is_inference()
+    with torch.inference_mode():  # a head made under inference mode has no version counter: sliced every call
+        frozen = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    first = drafter.draft_head(frozen)[0]
+    assert torch.equal(first, frozen.weight[drafter.d2t]) and drafter.draft_head(frozen)[0] is not first
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
