@@ -134,18 +134,31 @@ def test_init_from_target_reads_the_targets_own_past():
     torch.testing.assert_close(drafter.project_context(hidden), source.input_layernorm(hidden[..., 64:]))
 
 
-def test_generate_responses_resumes_and_restores_the_dtype(tmp_path):
+def _cpu_bf16(monkeypatch, native: bool) -> None:
+    """Make this CPU report native bf16 support (AMX / AVX-512 BF16) or not."""
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_generate_responses_resumes_and_uses_bf16_only_where_native(tmp_path, monkeypatch, native):
     from conftest import char_tokenizer
 
     from hf_blockpilot.datasets import PromptRecord
+    from hf_blockpilot.environment import runs_bf16_natively
     from hf_blockpilot.training.data import generate_responses, read_sequences
 
+    _cpu_bf16(monkeypatch, native)
+    assert runs_bf16_natively("cpu") is native
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
     target.generation_config.eos_token_id = 5
+    seen = set()
+    target.register_forward_pre_hook(lambda module, args: seen.add(module.lm_head.weight.dtype))
     tokenizer = char_tokenizer(48)
     prompts = [PromptRecord(f"p{i}", "test", "abc" * (i + 1)) for i in range(5)]
     written = generate_responses(target, tokenizer, prompts[:3], tmp_path, batch_size=2, max_new_tokens=6)
-    assert target.dtype == torch.float32  # generation ran in bf16, the caller's model is back to fp32
+    assert seen == {torch.bfloat16 if native else torch.float32}  # bf16 is emulated, and slow, without support
+    assert target.dtype == torch.float32  # the caller's model is back to its own dtype
     assert written > 0
     generate_responses(target, tokenizer, prompts, tmp_path, batch_size=2, max_new_tokens=6)  # resumes
     seqs = read_sequences(tmp_path)
@@ -223,6 +236,28 @@ def test_batched_loss_pads_without_leaking_and_matches_per_sequence_losses(tmp_p
     totals = [(a["valid"] * weights).sum() for _, a in singles]
     expected = sum(single_loss * w for (single_loss, _), w in zip(singles, totals)) / sum(totals)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_training_precision_follows_the_device(tmp_path, monkeypatch):
+    """bf16 autocast (training step, target hidden states) only where bf16 is native; float32 elsewhere."""
+    from hf_blockpilot.training.data import target_hidden_states
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    seqs = _periodic_sequences(48, count=2, length=20)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    ids = drafter.target_layer_ids
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([s.input_ids for s in seqs]), output_hidden_states=True)
+    fp32_states = torch.cat([out.hidden_states[i + 1] for i in ids], dim=-1).to(torch.bfloat16)
+    for native in (False, True):
+        _cpu_bf16(monkeypatch, native)
+        cfg = DrafterTrainingConfig(block_size=4, validation_fraction=0.0)
+        assert DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg).bf16 is native
+        forced = DrafterTrainingConfig(block_size=4, validation_fraction=0.0, bf16=False)
+        assert DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", forced).bf16 is False
+        states = target_hidden_states(target, seqs, ids)  # stored in bf16 either way
+        assert states.dtype == torch.bfloat16
+        assert torch.equal(states, fp32_states) is not native  # computed in fp32 unless bf16 is native
 
 
 def test_live_hidden_states_match_the_disk_cache(tmp_path):

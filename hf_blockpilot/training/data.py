@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..datasets import PromptRecord
+from ..environment import runs_bf16_natively
 
 RESPONSES_FILE = "responses.jsonl"
 MAX_PROMPT_TOKENS = 384  # longer prompts keep their last tokens
@@ -100,12 +101,13 @@ def generate_responses(
     batch_size: int = 64,
     max_new_tokens: int = 192,
     max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-    dtype: torch.dtype | None = torch.bfloat16,
+    dtype: torch.dtype | str | None = "auto",
 ) -> int:
     """Answer `prompts` with the target (greedy, batched) and append them to `data_dir/responses.jsonl`.
 
     Prompts already answered (by id) are skipped, so an interrupted run resumes. Prompts are batched by
-    length to limit padding. `dtype` runs generation in a cheaper precision (bf16 on CPUs with AMX).
+    length to limit padding. `dtype` runs generation in another precision: "auto" is bfloat16 where the
+    target's device runs it natively (`runs_bf16_natively`), else the target's own; None keeps the target's.
     Returns the number of new response tokens written.
     """
     data_dir = Path(data_dir)
@@ -116,6 +118,8 @@ def generate_responses(
     todo.sort(key=lambda item: len(item[1]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(generation_eos_ids(target))
+    if dtype == "auto":
+        dtype = torch.bfloat16 if runs_bf16_natively(target.device) else None
     original_dtype = target.dtype
     model = target.to(dtype) if dtype is not None else target  # the caller's dtype is restored below
     written = 0
@@ -161,8 +165,9 @@ def target_hidden_states(
 
     Id i is the output of target decoder layer i (`hidden_states[i + 1]`), as the drafter reads it at
     inference. Sequences are right-padded (causal attention keeps real positions exact; padded positions hold
-    whatever the target computes there and must be masked by the caller). The forward runs under `dtype`
-    autocast and the result is returned in `dtype`, on the target's device.
+    whatever the target computes there and must be masked by the caller). The result is returned in `dtype`, on
+    the target's device; the forward runs under `dtype` autocast where the device runs it natively
+    (`runs_bf16_natively` for bf16), else in the target's own precision.
     """
     width = max(len(seq.input_ids) for seq in sequences)
     input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -171,7 +176,8 @@ def target_hidden_states(
         input_ids[row, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
         attention_mask[row, : len(seq.input_ids)] = 1
     device = target.device
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+    fast = dtype != torch.bfloat16 or runs_bf16_natively(device)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32 and fast):
         out = target(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True
         )

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..environment import runs_bf16_natively
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .data import TrainingSequence, load_hidden_states, target_hidden_states
 
@@ -48,7 +49,7 @@ class DrafterTrainingConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay over slots; None: DFlash's 7 (b=16), 5 (b=10), 4 (b=8)
-    bf16: bool = True
+    bf16: bool | None = None  # bf16 autocast; None: where the device runs bf16 natively (`runs_bf16_natively`)
     seed: int = 0
     save_every: int = 100
     log_every: int = 10
@@ -155,6 +156,7 @@ class DrafterTrainer:
             raise ValueError("no training sequence has a response of at least 2 tokens")
         self.hidden_cache_dir = None if hidden_cache_dir is None else Path(hidden_cache_dir)
         self.target = target
+        self.bf16 = runs_bf16_natively(drafter.device) if config.bf16 is None else config.bf16
         self.output_dir = Path(output_dir)
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -270,7 +272,7 @@ class DrafterTrainer:
         draft_labels = torch.where(valid, self.target_to_draft[labels.clamp(min=0)], -100)
         mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = self.drafter(
                 block_embeds=self.embed(block_ids.to(device)).detach(),
                 block_position_ids=positions.to(device),
