@@ -32,6 +32,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
 class _SortedDistinct(argparse.Action):
     """For lists of block sizes: sorted, each once."""
 
@@ -155,6 +162,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps,
         validation_fraction=args.validation_fraction,
         seed=args.seed,
+        decoding_anchor_fraction=args.decoding_anchors,
     )
     drafter = train_drafter(
         target,
@@ -433,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--anchors", type=_positive_int, default=32)
+    p.add_argument("--decoding-anchors", type=_fraction, default=0.0, metavar="FRACTION",
+                   help="share of anchors where greedy decoding with the current drafter starts its rounds "
+                        "(replayed each step; costs a drafter forward over every response position)")
     p.add_argument("--sequences-per-step", type=_positive_int, default=4, help="sequences per optimizer step (one forward)")
     p.add_argument("--no-hidden-cache", action="store_true",
                    help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)")

@@ -279,8 +279,8 @@ def test_live_hidden_states_match_the_disk_cache(tmp_path):
     assert live.train()["step"] == 3 and not (tmp_path / "live" / "hidden").exists()
 
 
-def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
-    """Chained teacher-forced rounds on the target's own greedy response == `generate` with the drafter."""
+def _trained_on_own_responses(tmp_path, steps: int = 80):
+    """A tiny target, its greedy responses to 6 prompts, and a drafter trained on them (so rounds accept drafts)."""
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
     target.generation_config.eos_token_id = None
     target.generation_config.pad_token_id = 0
@@ -290,11 +290,18 @@ def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
     seqs = [TrainingSequence(f"r/{i}", r[0].tolist(), 6) for i, r in enumerate(responses)]
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
     init_drafter_from_target(drafter, target)
-    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=16, sequences_per_step=3, max_steps=80,
+    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=16, sequences_per_step=3, max_steps=steps,
                                 learning_rate=1e-2, warmup_steps=5, save_every=1000, bf16=False, validation_fraction=0.0)
     trainer = DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg)
-    trainer.train()  # learn the target's own outputs, so that rounds accept drafts
+    trainer.train()
     drafter.eval()
+    return target, prompts, responses, seqs, trainer
+
+
+def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
+    """Chained teacher-forced rounds on the target's own greedy response == `generate` with the drafter."""
+    target, prompts, responses, seqs, trainer = _trained_on_own_responses(tmp_path)
+    drafter = trainer.drafter
     accepted_any = False
     for prompt, response, seq in zip(prompts, responses, seqs):
         replay = trainer.replay_acceptance(seq, trainer.hidden_states([seq])[0], chunk=5)
@@ -306,3 +313,50 @@ def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
         assert sum(replay) == sum(real) == len(seq.input_ids) - 7  # every token but the prefill's
         accepted_any |= max(real) > 1
     assert accepted_any
+
+
+def test_decoding_anchors_are_where_real_rounds_start_and_are_trained_on(tmp_path):
+    target, prompts, responses, seqs, trainer = _trained_on_own_responses(tmp_path, steps=40)
+    drafter = trainer.drafter
+    for prompt, seq in zip(prompts, seqs):
+        decoding = trainer.decoding_anchors(seq, trainer.hidden_states([seq])[0])
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter,
+                        max_new_tokens=30, do_sample=False)
+        committed = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]
+        real = [6 + sum(committed[:i]) for i in range(len(committed))]  # each round anchors at its last token
+        assert decoding == real
+
+        seq_hidden = trainer.hidden_states([seq])[0]
+        window = trainer.decoding_anchors(seq, seq_hidden, window=10)  # rounds chained from a random start
+        assert len(window) >= 1 and window[0] + 10 <= len(seq.input_ids) - 1 and window[-1] < window[0] + 10
+        full = trainer.replay_acceptance(seq, seq_hidden)
+        assert trainer.replay_acceptance(seq, seq_hidden, start=6, stop=len(seq.input_ids) - 1) == full
+
+    trainer.config.decoding_anchor_fraction = 0.5
+    batch = seqs[:3]
+    hidden = trainer.hidden_states(batch)
+    original = trainer.decoding_anchors
+    trainer.decoding_anchors = lambda seq, hidden, window: [seq.response_start + 2 * i for i in range(window // 2 + 3)]
+    for seq, anchors in zip(batch, trainer.training_anchors(batch, hidden), strict=True):
+        assert anchors == sorted(set(anchors)) and len(anchors) == 16  # distinct, sorted, anchors_per_sequence
+        assert all(seq.response_start - 1 <= a < len(seq.input_ids) - 1 for a in anchors)
+        assert {seq.response_start + 2 * i for i in range(8)} <= set(anchors)  # half of them: the first 8 rounds
+    trainer.decoding_anchors = original
+
+    def loss_at_decoding_anchors() -> float:
+        anchors = [trainer.decoding_anchors(s, trainer.hidden_states([s])[0]) for s in seqs]
+        with torch.no_grad():
+            return trainer.batch_loss(seqs, trainer.hidden_states(seqs), anchors=anchors)[0].item()
+
+    before = loss_at_decoding_anchors()
+    calls = []
+    original = trainer.training_anchors
+    trainer.training_anchors = lambda *args: calls.append(1) or original(*args)
+    trainer.config.max_steps = 70
+    drafter.train()
+    trainer.train()
+    assert len(calls) == 30  # every step drew its anchors this way
+    assert loss_at_decoding_anchors() < before
+
+    with pytest.raises(ValueError, match="decoding_anchor_fraction"):
+        DrafterTrainingConfig(decoding_anchor_fraction=1.5)

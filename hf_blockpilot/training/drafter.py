@@ -17,6 +17,7 @@ import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -57,6 +58,14 @@ class DrafterTrainingConfig:
     validation_fraction: float = 0.02  # sequences never trained on (chosen by a hash of their id)
     validation_max_sequences: int = 64  # at most this many of them are scored at each evaluation
     eval_every: int = 500
+    # Share of each sequence's anchors placed where greedy decoding with the current drafter starts its rounds
+    # (replayed each step over a window of twice as many positions): right after a failed draft, where real
+    # rounds start and drafting is hardest. Costs about a third more per step at 0.5.
+    decoding_anchor_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decoding_anchor_fraction <= 1.0:
+            raise ValueError(f"decoding_anchor_fraction must be in [0, 1], got {self.decoding_anchor_fraction}")
 
     def loss_gamma(self) -> float:
         if self.gamma is not None:
@@ -302,7 +311,9 @@ class DrafterTrainer:
         while self.step < cfg.max_steps:
             batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
             self.optimizer.zero_grad(set_to_none=True)
-            loss, acc = self.batch_loss(batch, self.hidden_states(batch))
+            hidden = self.hidden_states(batch)
+            anchors = self.training_anchors(batch, hidden) if cfg.decoding_anchor_fraction else None
+            loss, acc = self.batch_loss(batch, hidden, anchors=anchors)
             loss.backward()
             total = loss.item()
             window.append(acc)
@@ -330,8 +341,37 @@ class DrafterTrainer:
         self.save()
         return {**summary, **evaluation}
 
+    def training_anchors(self, batch: Sequence[TrainingSequence], hidden: torch.Tensor) -> list[list[int]]:
+        """Per sequence, up to `anchors_per_sequence` anchors: a `decoding_anchor_fraction` share from
+        `decoding_anchors` over a window of twice that many positions (where real rounds start), the rest
+        random, all distinct and sorted."""
+        cfg = self.config
+        rows = []
+        for row, seq in enumerate(batch):
+            candidates = range(seq.response_start - 1, len(seq.input_ids) - 1)  # anchors whose slot 1 has a label
+            total = min(cfg.anchors_per_sequence, len(candidates))
+            wanted = round(cfg.decoding_anchor_fraction * total)
+            chosen = set(self.decoding_anchors(seq, hidden[row], window=2 * wanted)[:wanted]) if wanted else set()
+            rest = [a for a in candidates if a not in chosen]
+            chosen.update(self.rng.sample(rest, total - len(chosen)))
+            rows.append(sorted(chosen))
+        return rows
+
+    def decoding_anchors(self, seq: TrainingSequence, hidden: torch.Tensor, window: int | None = None) -> list[int]:
+        """Anchors of the rounds that greedy speculative decoding with the current drafter runs along `seq`'s
+        response (see `replay_acceptance`): the first response token, then each position after a round. With
+        `window`, only the rounds within that many positions from a random start (drawn from the trainer's rng)."""
+        start, stop = seq.response_start, len(seq.input_ids) - 1
+        if window is not None and window < stop - start:
+            start = self.rng.randrange(start, stop - window + 1)
+            stop = start + window
+        committed = self.replay_acceptance(seq, hidden, start=start, stop=stop)
+        return list(accumulate(committed[:-1], initial=start))
+
     @torch.no_grad()
-    def replay_acceptance(self, seq: TrainingSequence, hidden: torch.Tensor, chunk: int = 64) -> list[int]:
+    def replay_acceptance(
+        self, seq: TrainingSequence, hidden: torch.Tensor, chunk: int = 64, start: int | None = None, stop: int | None = None
+    ) -> list[int]:
         """Tokens committed per round of greedy speculative decoding along `seq`'s response at this block size.
 
         Drafts from every response position are scored (in chunks of `chunk` blocks); the rounds are then
@@ -339,17 +379,20 @@ class DrafterTrainer:
         target's token, so the next anchor is a + accepted + 1), starting at the first response token, which
         the prefill commits. For the target's own greedy response this equals real decoding's acceptance;
         random anchors (`tau_estimate`) read higher, since real rounds start where the last draft failed.
+        `start`/`stop` replay the rounds from position `start` up to `stop` only (default: the whole response).
         """
-        positions = list(range(seq.response_start, len(seq.input_ids) - 1))
+        start = seq.response_start if start is None else start
+        stop = len(seq.input_ids) - 1 if stop is None else stop
+        positions = list(range(start, stop))
         correct = []
-        for start in range(0, len(positions), chunk):
-            _, acc = self.batch_loss([seq], hidden[None], anchors=[positions[start : start + chunk]])
+        for i in range(0, len(positions), chunk):
+            _, acc = self.batch_loss([seq], hidden[None], anchors=[positions[i : i + chunk]])
             correct.append(acc["correct"])
         accepted = torch.cat(correct).int().cumprod(dim=1).sum(dim=1).tolist() if correct else []
         committed = []
-        anchor = seq.response_start
-        while anchor < len(seq.input_ids) - 1:
-            committed.append(min(accepted[anchor - seq.response_start] + 1, len(seq.input_ids) - 1 - anchor))
+        anchor = start
+        while anchor < stop:
+            committed.append(min(accepted[anchor - start] + 1, stop - anchor))
             anchor += committed[-1]
         return committed
 
