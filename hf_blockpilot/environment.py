@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+from transformers import PreTrainedModel
 
 #: Distributions whose versions matter for decoding, the embedded default, the benchmark and the demo.
 PACKAGES = (
@@ -26,6 +28,12 @@ def runs_bf16_natively(device: torch.device | str) -> bool:
         probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
         return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
     return False
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name under which `model.forward` takes a KV cache: `cache` from Transformers 5.24 (where
+    `past_key_values` is deprecated, to be removed in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _installed(distribution: str) -> str:

@@ -3,6 +3,8 @@ paths exactly where meant, are undone on exit, and leave decoding lossless."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_blockpilot import cpu_kernels, cpu_verify_kernels, skinny_linear, skinny_linears, use_skinny_linears
+from hf_blockpilot.environment import cache_argument
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 5, 24), (3, 4, 24), (32, 24), (40, 24), (0, 24)])
@@ -74,22 +77,33 @@ def test_grouped_query_attention_matches_stock_sdpa_and_takes_its_path_only_for_
     prompt, block = torch.randint(3, 48, (1, 20), generator=gen), torch.randint(3, 48, (1, 5), generator=gen)
     with torch.no_grad():
         cache = DynamicCache()
-        target(prompt, past_key_values=cache)
-        expected = target(block, past_key_values=cache).logits
+        with_cache = {cache_argument(target): cache}
+        target(prompt, **with_cache)
+        expected = target(block, **with_cache).logits
         cache.crop(-5)
-        one_token = target(block[:, :1], past_key_values=cache).logits
+        one_token = target(block[:, :1], **with_cache).logits
         cache.crop(-1)
         with cpu_verify_kernels(target):
             assert target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
-            assert target(block[:, :1], past_key_values=cache).logits.equal(one_token)  # one token: stock path
+            assert target(block[:, :1], **with_cache).logits.equal(one_token)  # one token: stock path
             cache.crop(-1)
             calls.clear()
-            got = target(block, past_key_values=cache).logits
+            got = target(block, **with_cache).logits
             assert calls == []  # 5 masked queries: grouped path in every layer
             target(prompt)
             assert calls == [20] * target.config.num_hidden_layers  # a causal prefill (no mask): stock path
     assert target.config._attn_implementation == "sdpa"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cache_argument_is_the_one_the_installed_transformers_fills_without_deprecation(family):
+    target = make_target(family, vocab_size=48, hidden_size=64, seed=1)
+    cache = DynamicCache()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)  # 5.24+ deprecates `past_key_values`
+        target(torch.randint(3, 48, (1, 7)), **{cache_argument(target): cache})
+    assert cache.get_seq_length() == 7  # a name the model ignores would leave it empty
 
 
 def test_cpu_verify_kernels_leave_drafters_and_non_sdpa_models_alone():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from ..cpu_kernels import cpu_verify_kernels, skinny_linear
+from ..environment import cache_argument
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
 from .oracle import OracleRecord, sampling_processors
@@ -92,7 +93,8 @@ def _measure_cost_model(
     vocab = target.get_input_embeddings().weight.shape[0]
     context = torch.randint(0, vocab, (1, context_tokens), device=device)
     prefix = DynamicCache()
-    out = target(context, past_key_values=prefix, output_hidden_states=True)
+    with_prefix = {cache_argument(target): prefix}
+    out = target(context, **with_prefix, output_hidden_states=True)
     hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
     head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
     embed = target.get_input_embeddings()
@@ -101,7 +103,7 @@ def _measure_cost_model(
         block = torch.randint(0, vocab, (1, b), device=device)
 
         def run() -> None:
-            target(block, past_key_values=prefix, output_hidden_states=True)
+            target(block, **with_prefix, output_hidden_states=True)
             prefix.crop(-b)  # negative = tokens to remove, on every Transformers 5.x
 
         return run
