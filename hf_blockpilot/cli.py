@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors", type=_positive_int, default=32)
     p.add_argument("--decoding-anchors", type=_fraction, default=0.0, metavar="FRACTION",
                    help="share of anchors where greedy decoding with the current drafter starts its rounds "
-                        "(replayed each step; costs a drafter forward over every response position)")
+                        "(replayed each step over a window of twice as many positions: one more drafter forward per sequence)")
     p.add_argument("--sequences-per-step", type=_positive_int, default=4, help="sequences per optimizer step (one forward)")
     p.add_argument("--no-hidden-cache", action="store_true",
                    help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)")

@@ -60,7 +60,7 @@ class DrafterTrainingConfig:
     eval_every: int = 500
     # Share of each sequence's anchors placed where greedy decoding with the current drafter starts its rounds
     # (replayed each step over a window of twice as many positions): right after a failed draft, where real
-    # rounds start and drafting is hardest. Costs about a third more per step at 0.5.
+    # rounds start and drafting is hardest. At 0.5 a CPU step took 45% longer (7.1 vs 4.9 s, 8 sequences).
     decoding_anchor_fraction: float = 0.0
 
     def __post_init__(self) -> None:
