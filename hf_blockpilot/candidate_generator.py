@@ -2,18 +2,22 @@
 
 After `import hf_blockpilot`, `target.generate(..., assistant_model=drafter)` with a `BlockDiffusionDrafter`
 builds a `BlockDiffusionCandidateGenerator`; every other assistant goes through stock Transformers.
+`generate(..., draft_controller=...)` passes a `DraftController` for that call (default: the drafter's policy,
+else its `block_size`).
 
 Round by round, inside Transformers' own assisted-decoding loop:
   round 0: no candidates, so the loop's first target forward is the plain prefill;
-  after it: the block size is chosen once (policy, else `drafter.block_size`);
-  each round: context K/V of newly verified tokens -> one drafter forward over [last, MASK x (b-1)] ->
-  up to b-1 drafts, sampled (T>0) from exactly the logits returned to the loop;
-  with `drafter.prompt_lookup`, a round whose last tokens occurred earlier drafts their continuation there
-  instead (one-hot logits; the drafter only takes in the new context).
+  after it: the controller sees the prefill once (a policy picks the drafting width);
+  each round: context K/V of newly verified tokens -> one drafter forward over [last, MASK x (w-1)] ->
+  the controller keeps a prefix of the w-1 drafts for the target to verify; drafts are sampled (T>0) from
+  exactly the logits returned to the loop; with `drafter.prompt_lookup`, a round whose last tokens occurred
+  earlier drafts their continuation there instead (one-hot logits; the drafter only takes in the new context).
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import inspect
 import time
 import warnings
@@ -24,6 +28,7 @@ from transformers.generation import GenerationMixin, GenerationMode
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .controllers import DraftController, DraftedRound, resolve_controller
 from .cpu_kernels import skinny_linear
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
@@ -65,6 +70,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         target_tokenizer: PreTrainedTokenizerBase | None = None,
+        controller: DraftController | int | None = None,
     ):
         if input_ids.shape[0] != 1:
             raise ValueError(
@@ -72,8 +78,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 "call generate() once per prompt."
             )
         drafter.check_compatible(target)
-        if drafter.policy is not None:
-            drafter.policy.check_compatible(target, drafter)
+        self.controller = resolve_controller(drafter, controller).for_request()
+        self.controller.check_compatible(target, drafter)
         self.drafter = drafter
         self.device = drafter.device
         self.embed_tokens = target.get_input_embeddings()
@@ -92,8 +98,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             self.stop_strings = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
         self.cache = DraftContextCache()
         self.lookup = NgramLookup() if drafter.prompt_lookup else None
-        self.block_size: int | None = None
-        self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1])
+        self.started = False
+        self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1], controller=self.controller.describe())
         drafter.last_stats = self.stats
         self.model_kwargs_overrides = {"output_hidden_states": self._hidden_states_to_keep()}
 
@@ -114,21 +120,28 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 # any draft (kept only if the target picks it), so the output is unchanged.
                 placeholder = self._placeholder_token(input_ids)
                 self.stats.drafted_per_round.append(1)
+                self.stats.widths_per_round.append(2)
                 return torch.cat([input_ids, placeholder], dim=-1), None
             self.stats.drafted_per_round.append(0)
+            self.stats.widths_per_round.append(1)
             return input_ids, None
-        if self.block_size is None:
-            self.block_size = self._choose_block_size(model_outputs)
-        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        if not self.started:
+            self._start(model_outputs)
+        # the block never reaches past max_length: the last rounds draft only the room left
+        num_drafts = min(self.controller.width() - 1, self.max_length - input_ids.shape[1] - 1)
+        self.stats.widths_per_round.append(max(num_drafts, 0) + 1)
         if num_drafts <= 0:  # speculation off (b = 1) or no room left before max_length
             self.stats.drafted_per_round.append(0)
             return input_ids, None
         looked_up = self.lookup.continuation(input_ids, num_drafts) if self.lookup is not None else []
         if looked_up:
             drafts, logits = self._lookup_drafts(input_ids, model_outputs, looked_up)
+            keep = self._num_to_verify(DraftedRound(len(looked_up), lookup=True))
+            drafts, logits = drafts[:, :keep], logits[:, :keep]
         else:
-            logits = self._draft_logits(input_ids, model_outputs)[:, :num_drafts]
-            drafts, logits = self._select(input_ids, logits)
+            logits = self._draft_logits(input_ids, model_outputs, num_drafts + 1)
+            keep = self._num_to_verify(self._drafted_round(logits))
+            drafts, logits = self._select(input_ids, logits[:, :keep])
         drafts, logits = self._cut_before_stop(input_ids, drafts, logits)
         self.stats.drafted_per_round.append(drafts.shape[1])
         if drafts.shape[1] == 0:
@@ -136,22 +149,44 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, drafts], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: Any) -> None:
-        """Record the round's outcome (the block size itself is fixed for the request)."""
-        self.stats.accepted_per_round.append(int(num_matches))
+        """Record the round's outcome and tell the controller."""
+        accepted = int(num_matches)
+        self.stats.accepted_per_round.append(accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.stats.prompt_tokens
+        self.controller.observe(self.stats.drafted_per_round[-1], accepted)
 
     # --------------------------------------------------------------------------------------- the steps
-    def _choose_block_size(self, prefill_outputs: Any) -> int:
-        policy = self.drafter.policy
-        if policy is None:
-            block_size = self.drafter.block_size
-        else:
-            start = time.perf_counter()
-            block_size, probs = policy.choose_block_size(prefill_outputs, self.target_head, self.temperature)
-            self.stats.policy_seconds = time.perf_counter() - start
-            self.stats.policy_probs = probs
-        self.stats.block_size = block_size
-        return block_size
+    def _start(self, prefill_outputs: Any) -> None:
+        """Once per request, after the prefill: the controller reads it (a policy picks the width)."""
+        self.controller.start(prefill_outputs, self.target_head, self.temperature)
+        self.started = True
+        self.stats.block_size = self.controller.max_width()
+        self.stats.policy_seconds = self.controller.policy_seconds
+        self.stats.policy_probs = self.controller.policy_probs
+
+    def _num_to_verify(self, drafted: DraftedRound) -> int:
+        """The controller's per-round decision, timed (its overhead is reported in the stats)."""
+        start = time.perf_counter()
+        keep = min(max(self.controller.num_to_verify(drafted), 0), drafted.num_drafts)
+        self.stats.controller_seconds += time.perf_counter() - start
+        return keep
+
+    def _drafted_round(self, logits: torch.Tensor) -> DraftedRound:
+        """Per-slot confidence and entropy of the draft distributions, for controllers that read them.
+
+        Taken from the drafter's logits at the request's temperature, before any logits processor and before
+        any draw, so they never depend on which tokens get drafted: deciding from them keeps sampling exact.
+        """
+        num_drafts = logits.shape[1]
+        if not self.controller.reads_confidence:
+            return DraftedRound(num_drafts)
+        start = time.perf_counter()
+        scaled = logits[0] / self.temperature if self.temperature > 0 else logits[0]
+        log_probs = torch.log_softmax(scaled, dim=-1)
+        probs = log_probs.exp()
+        entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
+        self.stats.controller_seconds += time.perf_counter() - start
+        return DraftedRound(num_drafts, confidence=probs.max(dim=-1).values, entropy=entropy)
 
     def _hidden_states_to_keep(self) -> bool | list[int]:
         """The target's hidden states that the drafter (and the policy) read, as `hidden_states` indices.
@@ -162,11 +197,11 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if not _SELECTION_KEEPS_POSITIONS:
             return True
         keep = {i + 1 for i in self.drafter.target_layer_ids}
-        if self.drafter.policy is not None:  # its features: some layers and the final (normed) state
-            feature_layers = getattr(self.drafter.policy, "feature_layers", None)
-            if feature_layers is None:  # a policy of another kind may read any of them
-                return True
-            keep |= {i + 1 for i in feature_layers} | {-1}
+        controller_layers = self.controller.hidden_state_layers()
+        if controller_layers is None:  # a policy of another kind may read any of them
+            return True
+        if controller_layers:  # a policy's features: some layers and the final (normed) state
+            keep |= {i + 1 for i in controller_layers} | {-1}
         return sorted(keep)
 
     def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,19 +218,17 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         positions = torch.arange(seen, seen + num_new, device=self.device).unsqueeze(0)
         return target_hidden.to(self.device), positions
 
-    def _draft_logits(self, input_ids: torch.LongTensor, model_outputs: Any) -> torch.Tensor:
-        """One drafter forward over [new context ; last token, MASK x (b-1)]: logits of slots 1..b-1.
+    def _draft_logits(self, input_ids: torch.LongTensor, model_outputs: Any, width: int) -> torch.Tensor:
+        """One drafter forward over [new context ; last token, MASK x (width-1)]: logits of slots 1..width-1.
 
         Returns full-vocabulary float logits; with a reduced draft vocabulary, ids outside it get -inf, so
         the returned logits are exactly the distribution drafts are drawn from.
         """
         target_hidden, context_positions = self._new_context(input_ids, model_outputs)
-        block_ids = torch.full(
-            (1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=input_ids.device
-        )
+        block_ids = torch.full((1, width), self.drafter.mask_token_id, dtype=torch.long, device=input_ids.device)
         block_ids[:, 0] = input_ids[0, -1]
         start = input_ids.shape[1] - 1
-        block_positions = torch.arange(start, start + self.block_size, device=self.device).unsqueeze(0)
+        block_positions = torch.arange(start, start + width, device=self.device).unsqueeze(0)
         block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device)).to(self.device)
         hidden = self.drafter(
             block_embeds=block_embeds,
@@ -281,6 +314,27 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
 _stock_get_candidate_generator = GenerationMixin._get_candidate_generator
 _stock_validate_generation_mode = GenerationMixin._validate_generation_mode
+_stock_generate = GenerationMixin.generate
+# The `draft_controller=` of the `generate` call running in this thread / task (generate runs synchronously).
+_call_controller: contextvars.ContextVar[DraftController | int | None] = contextvars.ContextVar(
+    "hf_blockpilot_draft_controller", default=None
+)
+
+
+@functools.wraps(_stock_generate)
+def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftController | int | None = None, **kwargs: Any):
+    if draft_controller is None:
+        return _stock_generate(self, *args, **kwargs)
+    if not isinstance(kwargs.get("assistant_model"), BlockDiffusionDrafter):
+        raise ValueError(
+            "draft_controller= steers block-diffusion drafting: pass it with assistant_model=<BlockDiffusionDrafter>"
+        )
+    resolve_controller(kwargs["assistant_model"], draft_controller)  # a wrong type fails before any forward
+    token = _call_controller.set(draft_controller)
+    try:
+        return _stock_generate(self, *args, **kwargs)
+    finally:
+        _call_controller.reset(token)
 
 
 def _validate_generation_mode(self: GenerationMixin, generation_mode: Any, generation_config: Any, kwargs: dict) -> None:
@@ -317,6 +371,7 @@ def _get_candidate_generator(
             generation_config=generation_config,
             logits_processor=logits_processor,
             target_tokenizer=target_tokenizer,
+            controller=_call_controller.get(),
         )
     return _stock_get_candidate_generator(
         self,
@@ -332,6 +387,8 @@ def _get_candidate_generator(
 
 
 def install_generate_routing() -> None:
-    """Route `generate(assistant_model=<BlockDiffusionDrafter>)` to our generator (idempotent)."""
+    """Route `generate(assistant_model=<BlockDiffusionDrafter>, draft_controller=...)` to our generator
+    (idempotent)."""
     GenerationMixin._get_candidate_generator = _get_candidate_generator
     GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin.generate = _generate

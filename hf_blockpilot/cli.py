@@ -15,6 +15,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from .controllers import DraftController
     from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
@@ -23,6 +24,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _block_size(text: str) -> int:
+    from .controllers import check_block_size
+
+    try:
+        return check_block_size(int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _non_negative_float(text: str) -> float:
@@ -103,24 +113,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .evaluation import chat_inputs, timed_generate
 
     target, tokenizer, drafter = _load(args)
-    if args.block_size is not None:
-        drafter.block_size = args.block_size
-        drafter.set_policy(None)
+    controller = _controller(args.controller, drafter, args.block_size)
     input_ids = chat_inputs(tokenizer, args.prompt, target.device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         gen["temperature"] = args.temperature
     if args.compare:  # warm both paths so neither pays first-call costs in the comparison
-        timed_generate(target, input_ids, drafter, max_new_tokens=8, do_sample=False)
+        timed_generate(target, input_ids, drafter, max_new_tokens=8, do_sample=False, draft_controller=controller)
         timed_generate(target, input_ids, max_new_tokens=8, do_sample=False)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out, seconds = timed_generate(target, input_ids, drafter, streamer=streamer, **gen)
+    out, seconds = timed_generate(target, input_ids, drafter, streamer=streamer, draft_controller=controller, **gen)
     if args.no_stream:
         print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
     stats = drafter.last_stats
     result = {
+        "controller": stats.controller,
         "block_size": stats.block_size,
         "tau": round(stats.tau, 3),
+        "verified_per_round": round(sum(stats.drafted_per_round) / max(len(stats.committed_per_draft_round), 1), 2),
         "new_tokens": stats.new_tokens,
         "tokens_per_second": round(stats.new_tokens / seconds, 2),
     }
@@ -137,6 +147,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0 if result.get("identical_to_plain", True) else 1
+
+
+CONTROLLERS = ("adaptive", "fixed", "heuristic", "ema", "entropy")
+
+
+def _controller(name: str, drafter: BlockDiffusionDrafter, block_size: int | None) -> DraftController:
+    """The `--controller` of a command: `block_size` (if given) replaces the drafter's policy as the width."""
+    from .controllers import AcceptanceEMA, AdaptiveVerify, EntropyStop, HeuristicSchedule, PolicyBlockSize
+
+    policy = drafter.policy if block_size is None else None
+    width = block_size or drafter.block_size
+    if name == "adaptive":
+        return AdaptiveVerify(width, policy=policy)
+    if name == "fixed":
+        return PolicyBlockSize(policy) if policy is not None else DraftController(width)
+    return {"heuristic": HeuristicSchedule, "ema": AcceptanceEMA, "entropy": EntropyStop}[name](max_block_size=width)
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -412,7 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_arg(p)
     p.add_argument("--max-new-tokens", type=_positive_int, default=256)
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--block-size", type=_positive_int, default=None, help="fixed block size (turns the policy off)")
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help="drafting width (turns the policy off); with --controller fixed, every draft is verified")
+    p.add_argument("--controller", choices=CONTROLLERS, default="adaptive",
+                   help="adaptive: verify the drafts worth it each round (default); fixed: every draft; "
+                        "heuristic / ema / entropy: the baselines of `bench`")
     _add_optional_policy_arg(p)
     p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
     p.add_argument("--no-stream", action="store_true")

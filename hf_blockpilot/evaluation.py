@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .controllers import BlockSizePolicy, DraftController, PolicyBlockSize
 from .cpu_kernels import cpu_verify_kernels
 from .datasets import PromptRecord
 from .modeling_block_diffusion import BlockDiffusionDrafter
+from .stats import SpeculationStats
 
 
 def chat_inputs(tokenizer: PreTrainedTokenizerBase, prompt: str, device: torch.device | str) -> torch.Tensor:
@@ -86,7 +88,7 @@ def measure_tau(
 
 @dataclass
 class MethodResult:
-    """One prompt decoded by one method (`plain`, `b=<n>` or `policy`)."""
+    """One prompt decoded by one method (`plain`, `b=<n>`, `policy` or a named controller)."""
 
     prompt_id: str
     method: str
@@ -96,9 +98,12 @@ class MethodResult:
     tau: float
     identical_to_plain: bool | None
     policy_seconds: float = 0.0
+    controller_seconds: float = 0.0  # per-round verify decisions
     target_forwards: int = 0  # prefill included; plain decoding: one per token
     draft_rounds: int = 0  # verify rounds that carried drafts
     committed_in_draft_rounds: int = 0  # tokens those rounds committed (accepted drafts + bonus)
+    verified_drafts: int = 0  # drafts sent to the target, all rounds
+    drafted_slots: int = 0  # slots the drafter drafted (or lookup copied), all rounds
 
     @property
     def tokens_per_second(self) -> float:
@@ -112,78 +117,92 @@ def decode_methods(
     drafter: BlockDiffusionDrafter,
     prompts: Sequence[PromptRecord],
     block_sizes: Sequence[int],
-    policy: object | None = None,
+    policy: BlockSizePolicy | None = None,
     max_new_tokens: int = 128,
     repeats: int = 1,
     temperature: float = 0.0,
+    controllers: Mapping[str, DraftController] | None = None,
 ) -> list[MethodResult]:
-    """Decode each prompt with plain `generate`, each fixed block size and (if given) the policy.
+    """Decode each prompt with plain `generate`, each fixed block size, the policy (if given) and each named
+    controller, every one passed per call as `draft_controller` (the drafter itself is left untouched).
 
     Real end-to-end decoding (no recorded lookups); time is the median over `repeats`, taken round-robin over
-    the methods; at T=0 every output is compared with plain `generate`. The drafter's block size and policy are restored afterwards.
+    the methods; at T=0 every output is compared with plain `generate`.
     """
-    saved_block_size, saved_policy = drafter.block_size, drafter.policy
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
     if temperature > 0:
         gen["temperature"] = temperature
-    methods: list[tuple[str, int | None]] = [("plain", None)] + [(f"b={b}", b) for b in block_sizes]
+    methods: dict[str, DraftController | None] = {"plain": None}
+    methods.update({f"b={b}": DraftController(b) for b in block_sizes})
     if policy is not None:
-        methods.append(("policy", None))
+        methods["policy"] = PolicyBlockSize(policy)
+    methods.update(controllers or {})
+    # the policy's first call pays one-time costs of its own; otherwise any drafted method warms the path
+    warm_controller = methods.get("policy") or next((c for c in methods.values() if c), DraftController(drafter.block_size))
     results = []
-    try:
-        for record in tqdm(prompts, desc="decoding", unit="prompt"):
-            input_ids = chat_inputs(tokenizer, record.prompt, target.device)
-            # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
-            timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)
-            drafter.set_policy(policy)
-            timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False)
-            # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
-            # all methods alike instead of whichever was being timed.
-            runs: dict[str, list] = {name: [] for name, _ in methods}
-            for _ in range(repeats):
-                for name, block_size in methods:
-                    if name == "plain":
-                        out, seconds = timed_generate(target, input_ids, **gen)
-                        stats = None
-                    else:
-                        drafter.set_policy(policy if name == "policy" else None)
-                        if block_size is not None:
-                            drafter.block_size = block_size
-                        out, seconds = timed_generate(target, input_ids, drafter, **gen)
-                        stats = drafter.last_stats
-                    runs[name].append((seconds, out, stats))
-            plain = None
-            for name, _ in methods:
-                runs[name].sort(key=lambda run: run[0])
-                seconds, out, stats = runs[name][len(runs[name]) // 2]
-                if name == "plain":
-                    plain = out
-                results.append(
-                    MethodResult(
-                        prompt_id=record.id,
-                        method=name,
-                        block_size=stats.block_size if stats else 1,
-                        new_tokens=out.shape[1] - input_ids.shape[1],
-                        seconds=seconds,
-                        tau=stats.tau if stats else 1.0,
-                        identical_to_plain=None if temperature > 0 else bool(torch.equal(out, plain)),
-                        policy_seconds=stats.policy_seconds if stats else 0.0,
-                        target_forwards=stats.target_forwards if stats else out.shape[1] - input_ids.shape[1],
-                        draft_rounds=len(stats.committed_per_draft_round) if stats else 0,
-                        committed_in_draft_rounds=sum(stats.committed_per_draft_round) if stats else 0,
-                    )
-                )
-    finally:
-        drafter.block_size = saved_block_size
-        drafter.set_policy(saved_policy)
+    for record in tqdm(prompts, desc="decoding", unit="prompt"):
+        input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+        # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
+        timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)
+        timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False, draft_controller=warm_controller)
+        # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
+        # all methods alike instead of whichever was being timed.
+        runs: dict[str, list] = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, controller in methods.items():
+                if controller is None:
+                    out, seconds = timed_generate(target, input_ids, **gen)
+                    stats = None
+                else:
+                    out, seconds = timed_generate(target, input_ids, drafter, draft_controller=controller, **gen)
+                    stats = drafter.last_stats
+                runs[name].append((seconds, out, stats))
+        plain = None
+        for name in methods:
+            runs[name].sort(key=lambda run: run[0])
+            seconds, out, stats = runs[name][len(runs[name]) // 2]
+            if name == "plain":
+                plain = out
+            results.append(method_result(record.id, name, out, input_ids.shape[1], seconds, stats, plain, temperature))
     return results
+
+
+def method_result(
+    prompt_id: str,
+    method: str,
+    out: torch.Tensor,
+    prompt_tokens: int,
+    seconds: float,
+    stats: SpeculationStats | None,
+    plain: torch.Tensor | None,
+    temperature: float,
+) -> MethodResult:
+    """One decoded prompt as a `MethodResult` (`stats=None`: plain decoding)."""
+    new_tokens = out.shape[1] - prompt_tokens
+    return MethodResult(
+        prompt_id=prompt_id,
+        method=method,
+        block_size=stats.block_size if stats else 1,
+        new_tokens=new_tokens,
+        seconds=seconds,
+        tau=stats.tau if stats else 1.0,
+        identical_to_plain=None if temperature > 0 or plain is None else bool(torch.equal(out, plain)),
+        policy_seconds=stats.policy_seconds if stats else 0.0,
+        controller_seconds=stats.controller_seconds if stats else 0.0,
+        target_forwards=stats.target_forwards if stats else new_tokens,
+        draft_rounds=len(stats.committed_per_draft_round) if stats else 0,
+        committed_in_draft_rounds=sum(stats.committed_per_draft_round) if stats else 0,
+        verified_drafts=sum(stats.drafted_per_round) if stats else 0,
+        drafted_slots=sum(w - 1 for w in stats.widths_per_round) if stats else 0,
+    )
 
 
 def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, float]]:
     """Per method: pooled tokens/s, speedup over plain, mean τ, mismatches; plus the per-prompt `oracle`.
 
     The oracle picks, per prompt, the fastest measured of plain decoding (b = 1, speculation off) and each
-    fixed block size.
+    fixed block size. `overhead`: the policy's and the per-round controller's decision time, as a share of
+    generation time.
     """
     by_method: dict[str, list[MethodResult]] = {}
     for r in results:
@@ -211,5 +230,7 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
             "tau": sum(r.tau for r in rows) / len(rows),
             "mismatches": sum(1 for r in rows if r.identical_to_plain is False),
             "policy_overhead": sum(r.policy_seconds for r in rows) / max(sum(r.seconds for r in rows), 1e-9),
+            "controller_overhead": sum(r.controller_seconds for r in rows) / max(sum(r.seconds for r in rows), 1e-9),
+            "verified_per_round": sum(r.verified_drafts for r in rows) / max(sum(r.draft_rounds for r in rows), 1),
         }
     return summary

@@ -11,27 +11,33 @@ class SpeculationStats:
     """What one `generate(..., assistant_model=drafter)` call did.
 
     Attributes:
-        block_size: block size used for the request (1 = speculation off).
+        block_size: widest block the request could draft (the fixed or policy-chosen b; 1 = speculation off).
+        controller: the draft controller that decided widths and verify budgets.
         prompt_tokens: prompt length.
         new_tokens: tokens committed after the prompt.
         target_forwards: target forwards, prefill included.
         drafter_forwards: drafter forwards (one per drafted block).
         lookup_rounds: rounds drafted by prompt lookup instead (`drafter.prompt_lookup`).
-        drafted_per_round: drafts proposed in each verify round.
+        widths_per_round: slots drafted in each round (anchor included; 1 = nothing drafted).
+        drafted_per_round: drafts sent to the target in each verify round (after the controller's cut).
         accepted_per_round: drafts accepted in each verify round (the bonus token not counted).
         policy_seconds: wall time spent choosing the block size.
+        controller_seconds: wall time of the per-round verify decisions (confidences and the choice).
         policy_probs: the policy's probability per candidate block size, when a policy chose it.
     """
 
     block_size: int | None = None
+    controller: str = ""
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
     drafter_forwards: int = 0
     lookup_rounds: int = 0
+    widths_per_round: list[int] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     policy_seconds: float = 0.0
+    controller_seconds: float = 0.0
     policy_probs: dict[int, float] | None = None
 
     @property

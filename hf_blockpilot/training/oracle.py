@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..candidate_generator import BlockDiffusionCandidateGenerator
+from ..controllers import DraftController
 from ..datasets import PromptRecord
 from ..evaluation import chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
@@ -40,28 +41,28 @@ def replay_block_size(
     hidden_states: Sequence[torch.Tensor],
     sequence: torch.LongTensor,
     prompt_len: int,
-    block_size: int,
+    controller: DraftController | int,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
 ) -> SpeculationStats:
-    """Statistics greedy decoding with `block_size` would have, from the target's states over `sequence`.
+    """Statistics greedy decoding with `controller` (or a fixed block size) would have, from the target's
+    states over `sequence`.
 
     `sequence` (1, n) is prompt + the target's greedy continuation; `hidden_states` the target's
-    `hidden_states` tuple from one forward over it.
+    `hidden_states` tuple from one forward over it. Each round hands the generator the states of the tokens
+    verified since the last one, as the decoding loop does (the first round: the prompt's, i.e. the prefill).
     """
     config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=False)
     config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=sequence.device) if eos_token_ids else None
     generator = BlockDiffusionCandidateGenerator(
-        drafter, target, sequence[:, :prompt_len], config, LogitsProcessorList()
+        drafter, target, sequence[:, :prompt_len], config, LogitsProcessorList(), controller=controller
     )
-    generator.block_size = block_size
-    generator.stats.block_size = block_size
     generator.get_candidates(sequence[:, :prompt_len], is_first_iteration=True)
     cur = prompt_len + 1  # prefill commits the first token
     generator.update_candidate_strategy(sequence[:, :cur], None, 0)
     while cur < sequence.shape[1]:
         seen = generator.cache.get_seq_length()
-        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen:] for h in hidden_states))
+        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen : cur - 1] for h in hidden_states))
         candidates, _ = generator.get_candidates(sequence[:, :cur], model_outputs=outputs)
         drafts = candidates[0, cur:]
         truth = sequence[0, cur : cur + drafts.numel()]
@@ -111,15 +112,16 @@ def expected_sampled_stats(
     n = sequence.shape[1]
     config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=True)
     config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=sequence.device) if eos_token_ids else None
-    generator = BlockDiffusionCandidateGenerator(drafter, target, sequence[:, :prompt_len], config, processors)
-    generator.block_size = block_size
+    generator = BlockDiffusionCandidateGenerator(
+        drafter, target, sequence[:, :prompt_len], config, processors, controller=block_size
+    )
     generator.get_candidates(sequence[:, :prompt_len], is_first_iteration=True)
     target_probs = {}  # position -> the target's processed next-token distribution there
     survival = {}  # committed length c -> P(at least j drafts accepted), j = 1..k
     for cur in range(prompt_len + 1, n):
         generator.update_candidate_strategy(sequence[:, :cur], None, 0)
         seen = generator.cache.get_seq_length()
-        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen:] for h in hidden_states))
+        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen : cur - 1] for h in hidden_states))
         _, draft_logits = generator.get_candidates(sequence[:, :cur], model_outputs=outputs)
         k = 0 if draft_logits is None else min(draft_logits.shape[1], n - cur)  # drafts past the end never count
         for pos in range(cur - 1, cur - 1 + k):
@@ -280,30 +282,27 @@ def check_replay_against_decoding(
 
     from ..evaluation import timed_generate
 
-    saved = drafter.block_size
     eos_ids = generation_eos_ids(target)
     equal, total, decode_seconds, replay_seconds = 0, 0, 0.0, 0.0
-    try:
-        for record in prompts:
-            input_ids = chat_inputs(tokenizer, record.prompt, target.device)
-            start = time.perf_counter()
-            oracle_record(target, tokenizer, drafter, record, candidates, [0], max_new_tokens)
-            replay_seconds += time.perf_counter() - start
-            for b in candidates:
-                if b == 1:
-                    _, seconds = timed_generate(target, input_ids, max_new_tokens=max_new_tokens, do_sample=False)
-                    decode_seconds += seconds
-                    continue
-                drafter.block_size = b
-                out, seconds = timed_generate(target, input_ids, drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    for record in prompts:
+        input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+        start = time.perf_counter()
+        oracle_record(target, tokenizer, drafter, record, candidates, [0], max_new_tokens)
+        replay_seconds += time.perf_counter() - start
+        for b in candidates:
+            if b == 1:
+                _, seconds = timed_generate(target, input_ids, max_new_tokens=max_new_tokens, do_sample=False)
                 decode_seconds += seconds
-                real = drafter.last_stats
-                hidden = target(out, output_hidden_states=True).hidden_states
-                sim = replay_block_size(target, drafter, hidden, out, input_ids.shape[1], b, max_new_tokens, eos_ids)
-                equal += sim.accepted_per_round == real.accepted_per_round and sim.tau == real.tau
-                total += 1
-    finally:
-        drafter.block_size = saved
+                continue
+            out, seconds = timed_generate(
+                target, input_ids, drafter, max_new_tokens=max_new_tokens, do_sample=False, draft_controller=b
+            )
+            decode_seconds += seconds
+            real = drafter.last_stats
+            hidden = target(out, output_hidden_states=True).hidden_states
+            sim = replay_block_size(target, drafter, hidden, out, input_ids.shape[1], b, max_new_tokens, eos_ids)
+            equal += sim.accepted_per_round == real.accepted_per_round and sim.tau == real.tau
+            total += 1
     return {
         "prompts": len(prompts),
         "checked": total,

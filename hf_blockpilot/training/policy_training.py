@@ -15,39 +15,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from ..costs import CostModel
 from ..cpu_kernels import cpu_verify_kernels, skinny_linear
 from ..environment import cache_argument
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
 from .oracle import OracleRecord, sampling_processors
-
-
-@dataclass
-class CostModel:
-    """Latency (ms) of one verify round per block size: a target forward over b tokens + a drafter forward,
-    plus, when sampling, the work on vocabulary-sized rows of logits (processors, softmax, draws)."""
-
-    target_ms: dict[int, float]
-    drafter_ms: dict[int, float]
-    device: str = "cpu"
-    context_tokens: int = 0
-    sampling_row_ms: float = 0.0  # logits processors + softmax + one draw on one vocabulary-sized row, at T>0
-
-    def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
-        """At T>0 a round handles 2b - 1 rows: b - 1 drafts are processed and drawn, the target's b rows are
-        processed and its acceptance test takes softmaxes of both (plain sampling: one row per token)."""
-        ms = self.target_ms[block_size] + (self.drafter_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
-        return ms + (2 * block_size - 1) * self.sampling_row_ms if temperature > 0 else ms
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2))
-
-    @classmethod
-    def load(cls, path: str | Path) -> CostModel:
-        raw = json.loads(Path(path).read_text())
-        raw["target_ms"] = {int(k): v for k, v in raw["target_ms"].items()}
-        raw["drafter_ms"] = {int(k): v for k, v in raw["drafter_ms"].items()}
-        return cls(**raw)
 
 
 def _interleaved_median_ms(fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device) -> dict[Any, float]:

@@ -1,0 +1,399 @@
+"""How many tokens to draft and verify, per request and per round: the one seam every strategy plugs into.
+
+A controller is passed per call, `target.generate(..., assistant_model=drafter, draft_controller=c)` (like
+gpt-fast's `speculate_k`); each request works on its own copy (`for_request`), so one object serves many calls
+and threads. Per request, `start` sees the target's prefill; per round, `width` says how many slots the drafter
+drafts (anchor included), `num_to_verify` how many of the drafts go to the target, from what the drafter
+computed (per-slot confidence and entropy), and `observe` hears how many were accepted.
+
+Every decision depends only on the drafter's outputs and earlier rounds, never on the target's verdict on the
+drafts it is deciding about, so decoding stays lossless: greedy output equals plain `generate`, and with
+sampling the verifier's test runs on exactly the distributions the kept drafts were drawn from.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .costs import CostModel
+
+MAX_BLOCK_SIZE = 256  # the widest block a controller may draft: far past any DFlash drafter's training size
+
+
+@runtime_checkable
+class BlockSizePolicy(Protocol):
+    """A per-request policy: picks a block size from the target's prefill (`BlockPilotPolicy` is one).
+
+    Optional attributes: `candidates` (the block sizes it picks from), `feature_layers` (target layer ids whose
+    prefill states it reads; absent: the target keeps them all), `acceptance_model` and `cost_model` (what an
+    `AdaptiveVerify` under it uses unless given its own).
+    """
+
+    def choose_block_size(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> tuple[int, dict]: ...
+
+    def check_compatible(self, target: nn.Module, drafter: nn.Module | None = None) -> None: ...
+
+
+@dataclass
+class DraftedRound:
+    """What a controller sees of a round before anything is verified.
+
+    `confidence` and `entropy` (k,) describe each drafted slot's draft distribution (its top probability and
+    its entropy in nats, from the drafter's logits at the request's temperature); both are `None` for
+    controllers that do not read them. `lookup`: the drafts were copied by prompt lookup (one-hot).
+    """
+
+    num_drafts: int
+    confidence: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    lookup: bool = False
+
+
+def check_block_size(block_size: Any, what: str = "block size") -> int:
+    """`block_size` if it is an int in 2..MAX_BLOCK_SIZE (anchor slot + at least one draft), else a ValueError."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"{what} must be an int in 2..{MAX_BLOCK_SIZE} (anchor slot + at least one draft), got {block_size!r}"
+        )
+    return block_size
+
+
+class DraftController:
+    """Fixed block size, every draft verified: the behaviour of every other DFlash implementation.
+
+    Subclasses override the hooks they need. State kept per request lives on the copy `for_request` returns.
+    """
+
+    name = "fixed"
+    reads_confidence = False  # whether `num_to_verify` needs per-slot confidences (a softmax per round)
+
+    def __init__(self, block_size: int = 16):
+        self.block_size = check_block_size(block_size)
+        self.policy_probs: dict[int, float] | None = None
+        self.policy_seconds = 0.0
+
+    def for_request(self) -> DraftController:
+        """A copy with fresh per-request state (models and tables are shared, not copied)."""
+        fresh = copy.copy(self)
+        fresh.reset()
+        return fresh
+
+    def reset(self) -> None:
+        """Clear per-request state."""
+        self.policy_probs = None
+        self.policy_seconds = 0.0
+
+    def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
+        """Error early if this controller cannot serve `target` + `drafter`."""
+
+    def hidden_state_layers(self) -> set[int] | None:
+        """Target layer ids whose prefill states `start` reads (`None`: it may read any)."""
+        return set()
+
+    def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
+        """Called once per request, after the prefill."""
+
+    def width(self) -> int:
+        """Slots to draft in the next round (anchor included; 1 = no drafting)."""
+        return self.block_size
+
+    def max_width(self) -> int:
+        """The widest block this request may draft (what `stats.block_size` reports)."""
+        return self.block_size
+
+    def num_to_verify(self, drafted: DraftedRound) -> int:
+        """How many of the round's drafts (a prefix) the target verifies."""
+        return drafted.num_drafts
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """The outcome of a round: drafts verified and accepted."""
+
+    def describe(self) -> str:
+        return f"{self.name}(b={self.block_size})"
+
+
+class PolicyBlockSize(DraftController):
+    """The block size chosen once per request by a BlockPilot policy from the prefill; every draft verified."""
+
+    name = "policy"
+
+    def __init__(self, policy: BlockSizePolicy):
+        if not isinstance(policy, BlockSizePolicy):
+            raise TypeError(f"expected a block-size policy (e.g. BlockPilotPolicy), got {type(policy).__name__}")
+        self.policy = policy
+        super().__init__(_widest(policy))
+
+    def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
+        self.policy.check_compatible(target, drafter)
+
+    def hidden_state_layers(self) -> set[int] | None:
+        layers = getattr(self.policy, "feature_layers", None)
+        return None if layers is None else set(layers)
+
+    def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
+        begin = time.perf_counter()
+        self.block_size, self.policy_probs = self.policy.choose_block_size(prefill_outputs, lm_head, temperature)
+        self.policy_seconds = time.perf_counter() - begin
+
+    def describe(self) -> str:
+        return "policy"
+
+
+class HeuristicSchedule(DraftController):
+    """Transformers' `num_assistant_tokens_schedule="heuristic"` applied to the block: two more drafts after
+    a round whose drafts were all accepted, one fewer otherwise (at least one)."""
+
+    name = "heuristic"
+
+    def __init__(self, start_block_size: int = 6, max_block_size: int = 16):
+        super().__init__(check_block_size(max_block_size, "max_block_size"))
+        self.start_block_size = min(check_block_size(start_block_size, "start_block_size"), max_block_size)
+        self.current = self.start_block_size
+
+    def reset(self) -> None:
+        super().reset()
+        self.current = self.start_block_size
+
+    def width(self) -> int:
+        return self.current
+
+    def observe(self, verified: int, accepted: int) -> None:
+        if verified == 0:
+            return
+        step = 2 if accepted == verified else -1
+        self.current = min(max(self.current + step, 2), self.block_size)
+
+    def describe(self) -> str:
+        return f"heuristic(start={self.start_block_size}, max={self.block_size})"
+
+
+class AcceptanceEMA(DraftController):
+    """Block size following an exponential moving average of committed tokens per round (as dflash-mlx's
+    adaptive block policy): draft one slot more than recent rounds committed."""
+
+    name = "ema"
+
+    def __init__(self, max_block_size: int = 16, decay: float = 0.7, start_block_size: int = 4):
+        super().__init__(check_block_size(max_block_size, "max_block_size"))
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.start_block_size = min(check_block_size(start_block_size, "start_block_size"), max_block_size)
+        self.average = float(self.start_block_size - 1)
+
+    def reset(self) -> None:
+        super().reset()
+        self.average = float(self.start_block_size - 1)
+
+    def width(self) -> int:
+        return min(max(round(self.average) + 1, 2), self.block_size)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        if verified:
+            self.average = self.decay * self.average + (1 - self.decay) * (accepted + 1)
+
+    def describe(self) -> str:
+        return f"ema(max={self.block_size}, decay={self.decay})"
+
+
+@dataclass
+class EntropyBound:
+    """Training-free acceptance estimate (AdaEDL, Agrawal et al. 2024): a draft drawn from q is accepted with
+    probability at least 1 - sqrt(gamma * H(q)); prompt-lookup drafts get `lookup_rate` per slot."""
+
+    gamma: float = 0.5
+    lookup_rate: float = 0.6
+
+    def per_slot(self, drafted: DraftedRound) -> torch.Tensor:
+        if drafted.lookup:
+            return torch.full((drafted.num_drafts,), self.lookup_rate)
+        return (1.0 - torch.sqrt(self.gamma * drafted.entropy.clamp(min=0.0))).clamp(0.0, 1.0)
+
+
+@dataclass
+class AcceptanceModel:
+    """Calibrated acceptance: P(slot j's draft is accepted | the drafts before it were), per slot j,
+    sigmoid(bias[j] + confidence_weight[j] * logit(confidence) + entropy_weight[j] * entropy); slots past the
+    fitted ones reuse the last. Prompt-lookup drafts: `lookup_rate[j]`. Fitted by `fit_acceptance_model`
+    from replayed rounds; saved inside a policy checkpoint (`BlockPilotPolicy(acceptance_model=...)`).
+    """
+
+    bias: list[float]
+    confidence_weight: list[float]
+    entropy_weight: list[float]
+    lookup_rate: list[float] = field(default_factory=lambda: [0.6])
+    rounds: int = 0  # rounds it was fitted on
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = {len(self.bias), len(self.confidence_weight), len(self.entropy_weight)}
+        if len(sizes) != 1 or not self.bias or not self.lookup_rate:
+            raise ValueError("an acceptance model needs bias, confidence_weight and entropy_weight of one length >= 1, "
+                             "and at least one lookup rate")
+
+    def _table(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        key = (num_slots, str(device))
+        if key not in self._tables:
+            index = [min(j, len(self.bias) - 1) for j in range(num_slots)]
+            lookup_index = [min(j, len(self.lookup_rate) - 1) for j in range(num_slots)]
+            rows = [[self.bias[i] for i in index], [self.confidence_weight[i] for i in index],
+                    [self.entropy_weight[i] for i in index], [self.lookup_rate[i] for i in lookup_index]]
+            self._tables[key] = torch.tensor(rows, dtype=torch.float32, device=device)
+        return self._tables[key]
+
+    def per_slot(self, drafted: DraftedRound) -> torch.Tensor:
+        device = drafted.confidence.device if drafted.confidence is not None else torch.device("cpu")
+        table = self._table(drafted.num_drafts, device)
+        if drafted.lookup:
+            return table[3]
+        confidence = drafted.confidence.float().clamp(1e-4, 1 - 1e-4)
+        logit = torch.log(confidence) - torch.log1p(-confidence)
+        return torch.sigmoid(table[0] + table[1] * logit + table[2] * drafted.entropy.float())
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> AcceptanceModel:
+        return cls(**raw)
+
+
+def expected_committed(acceptance: torch.Tensor) -> torch.Tensor:
+    """(k + 1,) expected tokens committed when verifying the first 0..k drafts, bonus included:
+    1 + sum over i <= n of P(drafts 1..i all accepted)."""
+    survival = torch.cumprod(acceptance.float(), dim=0)
+    return torch.cat([survival.new_ones(1), 1.0 + torch.cumsum(survival, dim=0)])
+
+
+class EntropyStop(DraftController):
+    """AdaEDL's stopping rule: verify drafts while the entropy bound on their acceptance stays >= `threshold`."""
+
+    name = "entropy"
+    reads_confidence = True
+
+    def __init__(self, max_block_size: int = 16, gamma: float = 0.5, threshold: float = 0.4):
+        super().__init__(check_block_size(max_block_size, "max_block_size"))
+        self.bound = EntropyBound(gamma=gamma)
+        self.threshold = threshold
+
+    def num_to_verify(self, drafted: DraftedRound) -> int:
+        if drafted.lookup:
+            return drafted.num_drafts
+        below = self.bound.per_slot(drafted) < self.threshold
+        return int(torch.cat([below, below.new_ones(1)]).int().argmax())
+
+    def describe(self) -> str:
+        return f"entropy(max={self.block_size}, gamma={self.bound.gamma}, threshold={self.threshold})"
+
+
+class AdaptiveVerify(DraftController):
+    """BlockPilot's per-round verify budget: draft a block, then verify the prefix of drafts that maximises
+    expected committed tokens per millisecond of the round (the device's `CostModel`), with acceptance
+    estimated per slot from the drafter's confidences (a calibrated `AcceptanceModel`, else the AdaEDL
+    entropy bound).
+
+    The drafting width is `block_size`, or chosen per request by `policy` (which may also carry the
+    acceptance model and cost model it was trained with). Explicit `acceptance` / `cost_model` win.
+    """
+
+    name = "adaptive"
+    reads_confidence = True
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        policy: BlockSizePolicy | None = None,
+        acceptance: AcceptanceModel | EntropyBound | None = None,
+        cost_model: CostModel | None = None,
+    ):
+        super().__init__(block_size if policy is None else _widest(policy))
+        self.fixed_block_size = self.block_size
+        self.policy = policy
+        self.acceptance = acceptance or getattr(policy, "acceptance_model", None) or EntropyBound()
+        self.cost_model = cost_model or getattr(policy, "cost_model", None)
+        self.temperature = 0.0
+        self._costs: dict[int, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self.block_size = self.fixed_block_size
+        self._costs = {}
+
+    def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
+        if self.policy is not None:
+            self.policy.check_compatible(target, drafter)
+        if self.cost_model is None:
+            self.cost_model = CostModel.default_for(next(target.parameters()).device)
+
+    def hidden_state_layers(self) -> set[int] | None:
+        if self.policy is None:
+            return set()
+        layers = getattr(self.policy, "feature_layers", None)
+        return None if layers is None else set(layers)
+
+    def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
+        self.temperature = temperature
+        if self.policy is not None:
+            begin = time.perf_counter()
+            chosen, self.policy_probs = self.policy.choose_block_size(prefill_outputs, lm_head, temperature)
+            self.block_size = max(chosen, 1)
+            self.policy_seconds = time.perf_counter() - begin
+
+    def num_to_verify(self, drafted: DraftedRound) -> int:
+        if drafted.num_drafts == 0:
+            return 0
+        acceptance = self.acceptance.per_slot(drafted)
+        costs = self._round_costs(drafted.num_drafts + 1, acceptance.device)
+        rate = expected_committed(acceptance.to(costs.device)) / costs
+        return int(rate.argmax())  # the round's one host sync for the decision
+
+    def _round_costs(self, width: int, device: torch.device) -> torch.Tensor:
+        if width not in self._costs:
+            cost_model = self.cost_model or CostModel.default_for(device)
+            self._costs[width] = cost_model.round_ms_table(width, self.temperature, device)
+        return self._costs[width]
+
+    def describe(self) -> str:
+        width = "policy" if self.policy is not None else f"b={self.fixed_block_size}"
+        kind = "calibrated" if isinstance(self.acceptance, AcceptanceModel) else "entropy bound"
+        return f"adaptive({width}, {kind})"
+
+
+def _widest(policy: BlockSizePolicy) -> int:
+    """The widest block `policy` may pick (until it has picked one)."""
+    return check_block_size(max(max(getattr(policy, "candidates", None) or [16]), 2), "the policy's widest candidate")
+
+
+def resolve_controller(
+    drafter: nn.Module, controller: DraftController | int | None = None
+) -> DraftController:
+    """The controller for one request: the one passed (an int is a fixed block size), else the drafter's
+    default (its attached policy, else its `block_size`)."""
+    if controller is None:
+        policy = getattr(drafter, "policy", None)
+        return PolicyBlockSize(policy) if policy is not None else DraftController(drafter.block_size)
+    if isinstance(controller, int) and not isinstance(controller, bool):
+        return DraftController(controller)
+    if not isinstance(controller, DraftController):
+        raise TypeError(
+            f"draft_controller must be a hf_blockpilot DraftController (e.g. AdaptiveVerify()) or a block size, "
+            f"got {type(controller).__name__}"
+        )
+    return controller
+
+
+def baseline_controllers(block_sizes: Sequence[int], max_block_size: int = 16) -> dict[str, DraftController]:
+    """The comparison set `bench` runs beside the policy and the adaptive controller."""
+    out: dict[str, DraftController] = {f"b={b}": DraftController(b) for b in block_sizes}
+    out["heuristic"] = HeuristicSchedule(max_block_size=max_block_size)
+    out["ema"] = AcceptanceEMA(max_block_size=max_block_size)
+    out["entropy"] = EntropyStop(max_block_size=max_block_size)
+    return out

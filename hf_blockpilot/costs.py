@@ -1,0 +1,92 @@
+"""What a speculative round costs on a device: the latency model that block sizes and verify budgets are
+weighed against (measure one with `hf-blockpilot measure-cost`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+@dataclass
+class CostModel:
+    """Latency (ms) of one verify round per block size: a target forward over b tokens + a drafter forward,
+    plus, when sampling, the work on vocabulary-sized rows of logits (processors, softmax, draws).
+
+    `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one
+    drafter forward over a block of b slots. Sizes between measured ones are interpolated linearly; sizes past
+    the largest measured one extend its last slope.
+    """
+
+    target_ms: dict[int, float]
+    drafter_ms: dict[int, float]
+    device: str = "cpu"
+    context_tokens: int = 0
+    sampling_row_ms: float = 0.0  # logits processors + softmax + one draw on one vocabulary-sized row, at T>0
+
+    def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
+        """At T>0 a round handles 2b - 1 rows: b - 1 drafts are processed and drawn, the target's b rows are
+        processed and its acceptance test takes softmaxes of both (plain sampling: one row per token)."""
+        ms = self.target_ms[block_size] + (self.drafter_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
+        return ms + (2 * block_size - 1) * self.sampling_row_ms if temperature > 0 else ms
+
+    def verify_ms(self, num_tokens: int) -> float:
+        """A target forward over `num_tokens` tokens (interpolated between measured sizes)."""
+        return _interpolate(self.target_ms, num_tokens)
+
+    def draft_ms(self, block_size: int) -> float:
+        """A drafter forward over `block_size` slots (0 for b = 1, where nothing is drafted)."""
+        return _interpolate(self.drafter_ms, block_size) if block_size > 1 and self.drafter_ms else 0.0
+
+    def round_ms_table(self, block_size: int, temperature: float, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(b,) latency of a round that drafts `block_size` slots and verifies k = 0..b-1 of them."""
+        rows = self.sampling_row_ms if temperature > 0 else 0.0
+        costs = [self.draft_ms(block_size) + self.verify_ms(k + 1) + (2 * k + 1) * rows for k in range(block_size)]
+        return torch.tensor(costs, dtype=torch.float32, device=device)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> CostModel:
+        raw = dict(raw)
+        raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
+        raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
+        if 1 not in raw["target_ms"]:
+            raise ValueError("a cost model needs target_ms[1], the latency of a plain decoding step")
+        return cls(**raw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def default_for(cls, device: torch.device | str) -> CostModel:
+        """The shipped cost model for a kind of device (the embedded pair timed on a 2-core x86 CPU, or on one
+        H100); other pairs and devices should be timed with `hf-blockpilot measure-cost`."""
+        kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
+        return cls.load(ASSETS / f"cost_model_{kind}.json")
+
+
+def _interpolate(table: dict[int, float], size: int) -> float:
+    if size in table:
+        return table[size]
+    sizes = sorted(table)
+    if len(sizes) == 1:
+        return table[sizes[0]]
+    if size <= sizes[0]:
+        lo, hi = sizes[0], sizes[1]
+    elif size >= sizes[-1]:
+        lo, hi = sizes[-2], sizes[-1]
+    else:
+        hi = next(s for s in sizes if s > size)
+        lo = max(s for s in sizes if s < size)
+    slope = (table[hi] - table[lo]) / (hi - lo)
+    return max(table[lo] + slope * (size - lo), 0.0)
