@@ -3,6 +3,7 @@
     import hf_blockpilot
     drafter = hf_blockpilot.BlockDiffusionDrafter.from_pretrained("z-lab/Qwen3-4B-DFlash-b16")
     target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
+    target.generate(**inputs, assistant_model=drafter, draft_controller=hf_blockpilot.AdaptiveVerify(16))
     drafter.last_stats.tau
 
 Importing the package registers the drafter with `AutoConfig`/`AutoModel` and routes
@@ -12,6 +13,19 @@ Importing the package registers the drafter with `AutoConfig`/`AutoModel` and ro
 from transformers import AutoConfig, AutoModel
 
 from .candidate_generator import BlockDiffusionCandidateGenerator, install_generate_routing
+from .controllers import (
+    AcceptanceEMA,
+    AcceptanceModel,
+    AdaptiveVerify,
+    BlockSizePolicy,
+    DraftController,
+    DraftedRound,
+    EntropyBound,
+    EntropyStop,
+    HeuristicSchedule,
+    PolicyBlockSize,
+)
+from .costs import CostModel
 from .cpu_kernels import (
     cpu_verify_kernels,
     grouped_query_attention,
@@ -33,6 +47,17 @@ AutoModel.register(BlockDiffusionConfig, BlockDiffusionDrafter, exist_ok=True)
 install_generate_routing()
 
 __all__ = [
+    "AcceptanceEMA",
+    "AcceptanceModel",
+    "AdaptiveVerify",
+    "BlockSizePolicy",
+    "CostModel",
+    "DraftController",
+    "DraftedRound",
+    "EntropyBound",
+    "EntropyStop",
+    "HeuristicSchedule",
+    "PolicyBlockSize",
     "BlockDiffusionCandidateGenerator",
     "BlockDiffusionConfig",
     "BlockDiffusionDrafter",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import __version__
+from .controllers import DraftController
 from .datasets import load_prompts
 from .evaluation import MethodResult, decode_methods, summarize_methods
 from .modeling_block_diffusion import BlockDiffusionDrafter
@@ -64,19 +65,22 @@ def run_benchmark(
     max_new_tokens: int = 128,
     repeats: int = 3,
     output_dir: str | Path | None = None,
+    controllers: Mapping[str, DraftController] | None = None,
 ) -> dict:
-    """Decode every prompt of every dataset with every method at every temperature; summarize and save."""
+    """Decode every prompt of every dataset with every method (plain, each fixed b, the policy, each named
+    controller) at every temperature; summarize and save."""
     report: dict = {"machine": machine_info(target.device), "settings": {
         "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
         "prompt_lookup": drafter.prompt_lookup,
+        "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
     }, "runs": []}
     for temperature in temperatures:
         for name in datasets:
             torch.manual_seed(0)
             results = decode_methods(
                 target, tokenizer, drafter, load_prompts(name, limit), block_sizes, policy, max_new_tokens, repeats,
-                temperature,
+                temperature, controllers,
             )
             report["runs"].append({
                 "dataset": name,
@@ -101,12 +105,14 @@ def markdown_report(report: dict) -> str:
              + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""), ""]
     for run in report["runs"]:
         lines += [f"### {run['dataset']}, T={run['temperature']:g}", "",
-                  "| method | tokens/s | speedup | τ | greedy mismatches | policy overhead |",
-                  "|---|---|---|---|---|---|"]
+                  "| method | tokens/s | speedup | τ | drafts verified / round | greedy mismatches | policy overhead "
+                  "| per-round decision overhead |",
+                  "|---|---|---|---|---|---|---|---|"]
         for method, row in run["summary"].items():
             mismatches = row["mismatches"] if run["temperature"] == 0 else "n/a"
             lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
-                         f"{mismatches} | {100 * row['policy_overhead']:.2f}% |")
+                         f"{row.get('verified_per_round', 0.0):.2f} | {mismatches} | {100 * row['policy_overhead']:.2f}% | "
+                         f"{100 * row.get('controller_overhead', 0.0):.2f}% |")
         lines.append("")
     return "\n".join(lines)
 

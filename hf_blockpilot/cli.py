@@ -398,12 +398,20 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_benchmark
 
+    from .controllers import AdaptiveVerify, baseline_controllers
+
     target, tokenizer, drafter = _load(args)
     policy = drafter.policy
     block_sizes = args.block_sizes or ([b for b in policy.candidates if b > 1] if policy else [4, 8, 16])
+    controllers = {}
+    if not args.no_baselines:
+        controllers = {k: v for k, v in baseline_controllers([], args.max_block_size).items()}
+        controllers["adaptive"] = AdaptiveVerify(args.max_block_size)
+        if policy is not None:
+            controllers["adaptive+policy"] = AdaptiveVerify(policy=policy)
     report = run_benchmark(
         target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
-        args.max_new_tokens, args.repeats, args.output_dir,
+        args.max_new_tokens, args.repeats, args.output_dir, controllers,
     )
     from .bench import markdown_report
 
@@ -568,6 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--repeats", type=_positive_int, default=3)
     p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--max-block-size", type=_block_size, default=16,
+                   help="drafting width of the per-round controllers (adaptive, heuristic, ema, entropy)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="only plain, fixed block sizes and the policy (no per-round controllers)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="Gradio demo: plain vs BlockPilot side by side, rounds highlighted")

@@ -85,11 +85,15 @@ class ScriptedDrafter(BlockDiffusionDrafter):
     that the LM head has an exact right inverse."""
 
     def rig(
-        self, target, script: torch.Tensor, error_rate: float, seed: int = 0, by_position: bool = False
+        self, target, script: torch.Tensor, error_rate: float, seed: int = 0, by_position: bool = False,
+        varied_confidence: bool = False,
     ) -> ScriptedDrafter:
-        """`by_position`: whether a slot errs depends only on the (anchor, slot) position, not on the call order."""
+        """`by_position`: whether a slot errs depends only on the (anchor, slot) position, not on the call order.
+        `varied_confidence`: each slot's logit margin is drawn at random (wrong slots tend to be less sure), so
+        controllers that read confidences see a spread."""
         self.script = script.view(-1)
         self.error_rate = error_rate
+        self.varied_confidence = varied_confidence
         self.rng = torch.Generator().manual_seed(seed)
         self.errors = None
         if by_position:
@@ -109,7 +113,10 @@ class ScriptedDrafter(BlockDiffusionDrafter):
         else:
             wrong = self.errors[positions[0], : tokens.numel()]
         tokens[wrong] = (tokens[wrong] + 1 + torch.randint(vocab - 1, tokens[wrong].shape, generator=self.rng)) % vocab
-        logits = 20.0 * torch.nn.functional.one_hot(tokens, vocab).float()
+        margin = torch.full(tokens.shape, 20.0)
+        if getattr(self, "varied_confidence", False):
+            margin = 0.5 + 8.0 * torch.rand(tokens.shape, generator=self.rng) * torch.where(wrong, 0.4, 1.0)
+        logits = margin.unsqueeze(-1) * torch.nn.functional.one_hot(tokens, vocab).float()
         out.last_hidden_state = (logits @ self.head_inverse.T).unsqueeze(0).to(out.last_hidden_state.dtype)
         return out
 

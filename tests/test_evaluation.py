@@ -90,7 +90,8 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
 
     def spy(target, input_ids, drafter=None, **kwargs):
         if kwargs.get("max_new_tokens") == 6:  # the timed runs (warm-up runs take 4 tokens)
-            order.append("plain" if drafter is None else "policy" if drafter.policy else f"b={drafter.block_size}")
+            controller = kwargs.get("draft_controller")
+            order.append("plain" if drafter is None else controller.describe().replace("fixed(b=", "b=").rstrip(")"))
         return real(target, input_ids, drafter, **kwargs)
 
     monkeypatch.setattr(evaluation, "timed_generate", spy)

@@ -16,7 +16,7 @@ import torch
 from conftest import make_drafter, make_target
 
 import hf_blockpilot.candidate_generator as candidate_generator_module
-from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot import BlockDiffusionDrafter, DraftController, DraftedRound
 
 VOCAB = 4
 NUM_TOKENS = 3  # joint law of the first 3 sampled tokens: VOCAB**3 cells
@@ -79,7 +79,7 @@ def exact_joint(target, prompt: torch.Tensor, temperature: float, top_k: int | N
     return joint
 
 
-def draw(target, drafter, n: int, temperature: float, top_k: int | None):
+def draw(target, drafter, n: int, temperature: float, top_k: int | None, **kwargs):
     """`n` assisted samples: counts per cell, plus drafted/accepted/prompt-lookup-round totals over all runs."""
     counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.long)
     drafted = accepted = lookups = 0
@@ -97,6 +97,7 @@ def draw(target, drafter, n: int, temperature: float, top_k: int | None):
             top_p=None,
             eos_token_id=None,
             pad_token_id=0,
+            **kwargs,
         )
         assert out.shape[1] == start + MAX_NEW_TOKENS
         counts[int((out[0, start : start + NUM_TOKENS] * weights).sum())] += 1
@@ -218,3 +219,64 @@ def test_chi_square_helpers():
     assert df == 2 and stat < 0.01  # the tiny cell is pooled with the smallest big one
     stat, _ = chi_square(torch.tensor([600, 200, 200, 0]), probs)
     assert stat > chi2_critical(2)
+
+
+class ConfidenceThreshold(DraftController):
+    """Verify the leading drafts whose draft distribution's top probability is at least `threshold` (reads
+    only the distributions, as every shipped controller does); records the confidences it saw."""
+
+    reads_confidence = True
+
+    def __init__(self, threshold: float, block_size: int = 4):
+        super().__init__(block_size)
+        self.threshold = threshold
+        self.seen: list[float] = []
+        self.kept: list[int] = []
+
+    def for_request(self):
+        return self  # one shared record over all draws (the test's own bookkeeping)
+
+    def num_to_verify(self, drafted: DraftedRound) -> int:
+        self.seen += drafted.confidence.tolist()
+        below = (drafted.confidence < self.threshold).tolist() + [True]
+        self.kept.append(below.index(True))
+        return self.kept[-1]
+
+
+class PeekingGenerator(candidate_generator_module.BlockDiffusionCandidateGenerator):
+    """BROKEN on purpose: after drawing the drafts it keeps only the prefix of argmax drafts, so whether a
+    position carries a draft depends on the draft drawn there (the mistake a controller must never make)."""
+
+    def _select(self, input_ids, logits):
+        drafts, processed = super()._select(input_ids, logits)
+        is_top = (drafts == processed.argmax(-1))[0].tolist() + [False]
+        keep = is_top.index(False)
+        return drafts[:, :keep], processed[:, :keep]
+
+
+def test_sampling_exact_with_a_truncating_controller(target):
+    """A controller that cuts the block per round from the draft distributions keeps sampling exact."""
+    drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
+    probe = ConfidenceThreshold(threshold=2.0)
+    draw(target, drafter, 200, temperature=1.0, top_k=None, draft_controller=probe)
+    controller = ConfidenceThreshold(threshold=sorted(probe.seen)[len(probe.seen) // 2])  # cuts about half the slots
+    counts, drafted, accepted, _ = draw(target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None,
+                                        draft_controller=controller)
+    rounds = controller.kept
+    assert 0.1 < sum(k < 2 for k in rounds) / len(rounds) < 0.9, "the controller never (or always) truncated"
+    assert accepted > 0.1 * NUM_SAMPLES and accepted < drafted
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
+    print(f"controller: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
+    assert df >= 10
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_chi_square_rejects_truncation_that_peeks_at_the_drafts(target, monkeypatch, built_generators):
+    monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", PeekingGenerator)
+    drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
+    counts, drafted, accepted, _ = draw(target, drafter, BROKEN_SAMPLES, temperature=1.0, top_k=None)
+    assert isinstance(built_generators[-1], PeekingGenerator)
+    assert accepted > 0
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
+    print(f"peeking: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
+    assert stat > chi2_critical(df), f"peeking generator passed: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
