@@ -181,7 +181,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if not self.controller.reads_confidence:
             return DraftedRound(num_drafts)
         start = time.perf_counter()
-        scaled = logits[0] / self.temperature if self.temperature > 0 else logits[0]
+        raw = logits[0].detach()
+        scaled = raw / self.temperature if self.temperature > 0 else raw
         log_probs = torch.log_softmax(scaled, dim=-1)
         probs = log_probs.exp()
         entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)

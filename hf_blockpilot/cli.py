@@ -15,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .controllers import DraftController
+    from .controllers import AcceptanceModel, DraftController
     from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
@@ -271,6 +271,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from .training.oracle import collect_oracle_labels
     from .training.policy_training import measure_cost_model
 
+    if args.adaptive and not args.cost_model:
+        raise ValueError("--adaptive weighs each round's verify budget by the measured cost model: drop --no-cost-model")
     target, tokenizer, drafter = _load(args)
     prompts = []
     for name in args.dataset:  # --num-prompts of each
@@ -297,12 +299,34 @@ def cmd_collect(args: argparse.Namespace) -> int:
               f"replay {check['speedup']:.1f}x faster than decoding once per b")
         if check["equal"] != check["checked"]:
             return 1
+    from .costs import CostModel
+
+    cost = CostModel.load(cost_path) if cost_path.exists() else None
+    acceptance = _acceptance_model(args.acceptance_model) if args.acceptance_model else None
     path = collect_oracle_labels(
         target, tokenizer, drafter, prompts, args.output_dir, args.candidates, args.feature_layers,
-        args.max_new_tokens, shard=shard, num_shards=num_shards, temperatures=args.temperatures,
+        args.max_new_tokens, shard=shard, num_shards=num_shards, temperatures=args.temperatures, cost=cost,
+        acceptance=acceptance, adaptive=args.adaptive,
     )
     print(f"labels written to {path}")
     return 0
+
+
+def _acceptance_model(source: str) -> AcceptanceModel:
+    """An acceptance model from a JSON file (`acceptance_model.json`) or a policy directory that carries one."""
+    from pathlib import Path
+
+    from .controllers import AcceptanceModel
+
+    path = Path(source)
+    if path.is_dir():
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        if not config.get("acceptance_model"):
+            raise ValueError(f"{source} holds no acceptance model (a policy trained on labels with recorded rounds does)")
+        return AcceptanceModel.from_dict(config["acceptance_model"])
+    if not path.is_file():
+        raise FileNotFoundError(f"no acceptance model at {source}: pass an acceptance_model.json or a policy directory")
+    return AcceptanceModel.from_dict(json.loads(path.read_text()))
 
 
 def cmd_train_policy(args: argparse.Namespace) -> int:
@@ -332,11 +356,14 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     missing = sorted(set(candidates) - set(manifest["candidates"]))
     if missing:
         raise SystemExit(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
+    acceptance = _acceptance_model(args.acceptance_model) if args.acceptance_model else None
     policy, report = train_policy(
         records, candidates, manifest["feature_layers"], target, drafter, config, cost,
-        prompt_lookup=manifest.get("prompt_lookup", False),
+        prompt_lookup=manifest.get("prompt_lookup", False), acceptance=acceptance,
     )
     policy.save_pretrained(args.output)
+    if policy.acceptance_model is not None:
+        (Path(args.output) / "acceptance_model.json").write_text(json.dumps(policy.acceptance_model.to_dict(), indent=2))
     policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
     (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
@@ -529,6 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--num-shards", type=_positive_int, default=1)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--adaptive", action="store_true",
+                   help="label decoding under the per-round controller (AdaptiveVerify): the best drafting width "
+                        "*with* it; needs the cost model")
+    p.add_argument("--acceptance-model", default=None,
+                   help="with --adaptive: the controller's acceptance model (acceptance_model.json or a policy "
+                        "directory from a first `train-policy`); default: the training-free entropy bound")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("train-policy", help="train a BlockPilot policy on collected labels")
@@ -541,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", default=None,
                    help="a cost_model.json measured on the device you serve on (`hf-blockpilot measure-cost`); "
                         "default: the one `collect` measured in --labels")
+    p.add_argument("--acceptance-model", default=None,
+                   help="store this acceptance model (acceptance_model.json or a policy directory) in the policy; "
+                        "default: fitted on the rounds recorded in --labels")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_policy)
 

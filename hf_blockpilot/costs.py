@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .stats import SpeculationStats
+
 ASSETS = Path(__file__).parent / "assets"
 
 
@@ -42,10 +44,23 @@ class CostModel:
         """A drafter forward over `block_size` slots (0 for b = 1, where nothing is drafted)."""
         return _interpolate(self.drafter_ms, block_size) if block_size > 1 and self.drafter_ms else 0.0
 
+    def modeled_round_ms(self, width: int, verified: int, temperature: float = 0.0) -> float:
+        """A round that drafts `width` slots (1: none) and sends `verified` drafts to the target; at T>0 plus
+        the 2k + 1 vocabulary rows it processes."""
+        rows = (2 * verified + 1) * self.sampling_row_ms if temperature > 0 else 0.0
+        return self.draft_ms(width) + self.verify_ms(verified + 1) + rows
+
+    def modeled_decode_ms(self, stats: SpeculationStats, temperature: float = 0.0) -> float:
+        """The modeled time of a whole request from its per-round statistics (the prefill counted as one
+        plain step, alike for every method)."""
+        return sum(
+            self.modeled_round_ms(w, d, temperature)
+            for w, d in zip(stats.widths_per_round, stats.drafted_per_round, strict=True)
+        )
+
     def round_ms_table(self, block_size: int, temperature: float, device: torch.device | str = "cpu") -> torch.Tensor:
         """(b,) latency of a round that drafts `block_size` slots and verifies k = 0..b-1 of them."""
-        rows = self.sampling_row_ms if temperature > 0 else 0.0
-        costs = [self.draft_ms(block_size) + self.verify_ms(k + 1) + (2 * k + 1) * rows for k in range(block_size)]
+        costs = [self.modeled_round_ms(block_size, k, temperature) for k in range(block_size)]
         return torch.tensor(costs, dtype=torch.float32, device=device)
 
     def save(self, path: str | Path) -> None:

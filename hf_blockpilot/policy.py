@@ -19,6 +19,8 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
 from torch import nn
 
+from .controllers import AcceptanceModel
+from .costs import CostModel
 from .modeling_block_diffusion import tensor_version
 
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "policy_card.md"
@@ -121,6 +123,8 @@ class BlockPilotPolicy(
         training_loss: str = "",
         report: dict | None = None,
         prompt_lookup: bool = False,
+        acceptance_model: dict | None = None,
+        cost_model: dict | None = None,
     ):
         super().__init__()
         if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
@@ -149,6 +153,16 @@ class BlockPilotPolicy(
         self.training_loss = training_loss
         self.prompt_lookup = prompt_lookup  # labels collected with the drafter's prompt lookup on
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
+        # what an AdaptiveVerify under this policy cuts each round with, unless given its own
+        self.acceptance_model = AcceptanceModel.from_dict(acceptance_model) if acceptance_model else None
+        self.cost_model = CostModel.from_dict(cost_model) if cost_model else None
+
+    def attach_verify_model(self, acceptance: AcceptanceModel | None, cost: CostModel | None) -> None:
+        """Store the per-round controller's acceptance model and cost model in this policy (and its config,
+        so `save_pretrained` / `push_to_hub` keep them)."""
+        self.acceptance_model, self.cost_model = acceptance, cost
+        self._hub_mixin_config["acceptance_model"] = acceptance.to_dict() if acceptance else None
+        self._hub_mixin_config["cost_model"] = cost.to_dict() if cost else None
 
     def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
         """The Hub model card (README.md) written by `save_pretrained` / `push_to_hub`, from our template."""
@@ -169,6 +183,8 @@ class BlockPilotPolicy(
             report=self.report,
             training_loss=self.training_loss,
             prompt_lookup=self.prompt_lookup,
+            acceptance_model=self.acceptance_model.to_dict() if self.acceptance_model else None,
+            cost_model=self.cost_model,
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def test_expected_sampled_stats_equal_the_greedy_replay_when_sampling_is_determi
             drafter = ScriptedDrafter.from_target(target, block_size=block_size).eval()
             drafter.rig(target, reference, error_rate=0.3, seed=case, by_position=True)
             greedy = replay_block_size(target, drafter, out.hidden_states, reference, prompt.shape[1], block_size, max_new)
-            tau, forwards = expected_sampled_stats(
+            tau, forwards, _ = expected_sampled_stats(
                 target, drafter, out.hidden_states, out.logits, reference, prompt.shape[1], block_size, max_new, processors
             )
             assert forwards == greedy.target_forwards and tau == pytest.approx(greedy.tau), (case, block_size)
@@ -139,10 +139,47 @@ def test_expected_sampled_tau_tracks_real_speculative_sampling():
         torch.manual_seed(10_000 + seed)
         sequence = target.generate(prompt, **config)
         out = target(sequence, output_hidden_states=True)
-        tau, _ = expected_sampled_stats(
+        tau, _, _ = expected_sampled_stats(
             target, drafter, out.hidden_states, out.logits, sequence, prompt.shape[1], block_size, max_new, processors
         )
         expected.append(tau)
     real_mean, expected_mean = sum(real) / len(real), sum(expected) / len(expected)
     assert real_mean > 1.2, "the drafter must be accepted sometimes for this check to mean anything"
     assert expected_mean == pytest.approx(real_mean, rel=0.05), (expected_mean, real_mean)
+
+
+def test_replay_under_the_adaptive_controller_equals_real_decoding(family):
+    """Labels of the composed system: the replay cuts rounds exactly as `generate` with the same controller
+    does, and its modeled time is the cost model summed over those rounds."""
+    from hf_blockpilot import AcceptanceModel, AdaptiveVerify, CostModel
+    from hf_blockpilot.training.calibration import RoundRecorder
+
+    target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=6)
+    cost = CostModel(target_ms={1: 50.0, 2: 52.0, 4: 90.0, 8: 160.0}, drafter_ms={2: 5.0, 8: 8.0})
+    acceptance = AcceptanceModel(bias=[-1.0], confidence_weight=[1.5], entropy_weight=[-0.5])
+    truncated = 0
+    for case in range(6):
+        prompt = torch.randint(3, VOCAB, (1, 6 + case), generator=torch.Generator().manual_seed(case))
+        max_new = 24
+        reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        drafter = ScriptedDrafter.from_target(target, block_size=8).eval()
+        drafter.rig(target, reference, error_rate=0.25, seed=case, by_position=True, varied_confidence=True)
+        controller = AdaptiveVerify(8, acceptance=acceptance, cost_model=cost)
+        real = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               assistant_model=drafter, draft_controller=controller)
+        assert torch.equal(real, reference)
+        real_stats = drafter.last_stats
+        # the same draws again: the rigged drafter's random margins follow its call order
+        drafter.rig(target, reference, error_rate=0.25, seed=case, by_position=True, varied_confidence=True)
+        hidden = target(reference, output_hidden_states=True).hidden_states
+        recorder = RoundRecorder(controller)
+        sim = replay_block_size(target, drafter, hidden, reference, prompt.shape[1], recorder, max_new)
+        assert sim.drafted_per_round == real_stats.drafted_per_round, case
+        assert sim.accepted_per_round == real_stats.accepted_per_round, case
+        truncated += sum(d < w - 1 for d, w in zip(sim.drafted_per_round, sim.widths_per_round) if w > 1)
+        assert cost.modeled_decode_ms(sim) == pytest.approx(
+            sum(cost.modeled_round_ms(w, d) for w, d in zip(sim.widths_per_round, sim.drafted_per_round))
+        )
+        # one calibration row per slot up to the first rejection
+        assert len(recorder.rows) == sum(a + (a < d) for a, d in zip(sim.accepted_per_round, sim.drafted_per_round))
+    assert truncated > 0

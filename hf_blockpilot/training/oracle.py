@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,12 +26,14 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..candidate_generator import BlockDiffusionCandidateGenerator
-from ..controllers import DraftController
+from ..controllers import AcceptanceModel, AdaptiveVerify, DraftController
+from ..costs import CostModel
 from ..datasets import PromptRecord
 from ..evaluation import chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..policy import checked_feature_layers, prefill_features
 from ..stats import SpeculationStats
+from .calibration import RoundRecorder
 from .data import generation_eos_ids
 
 
@@ -94,12 +96,14 @@ def expected_sampled_stats(
     target_logits: torch.Tensor,
     sequence: torch.LongTensor,
     prompt_len: int,
-    block_size: int,
+    controller: DraftController | int,
     max_new_tokens: int,
     processors: LogitsProcessorList,
     eos_token_ids: Sequence[int] = (),
-) -> tuple[float, float]:
-    """Expected (τ, target forwards) of speculative sampling with `block_size` along a sampled `sequence`.
+    cost: CostModel | None = None,
+) -> tuple[float, float, float]:
+    """Expected (τ, target forwards, modeled ms) of speculative sampling with `controller` (or a fixed block
+    size) along a sampled `sequence`; ms is 0 without a `cost` model.
 
     `sequence` (1, n): prompt + one continuation sampled by the target; `hidden_states` and `target_logits`
     (1, n, V): the target's outputs of one forward over it. After c committed tokens the drafter drafts exactly
@@ -108,16 +112,19 @@ def expected_sampled_stats(
     so P(at least j accepted) = α_1 ··· α_j. The expected rounds R(c) = 1 + Σ_j P(j accepted) R(c + j + 1)
     are solved backwards. It assumes accepted drafts equal the continuation's tokens, which holds in
     distribution for the first slot and approximately after it; with top-k = 1 it equals the greedy replay.
+    The controller must decide each round from that round alone (as `AdaptiveVerify` does): the recursion
+    visits committed lengths, not histories. A `RoundRecorder(..., soft=True)` receives each round's α.
     """
     n = sequence.shape[1]
     config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=True)
     config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=sequence.device) if eos_token_ids else None
     generator = BlockDiffusionCandidateGenerator(
-        drafter, target, sequence[:, :prompt_len], config, processors, controller=block_size
+        drafter, target, sequence[:, :prompt_len], config, processors, controller=controller
     )
     generator.get_candidates(sequence[:, :prompt_len], is_first_iteration=True)
     target_probs = {}  # position -> the target's processed next-token distribution there
     survival = {}  # committed length c -> P(at least j drafts accepted), j = 1..k
+    round_ms = {}  # committed length c -> modeled latency of the round drafted there
     for cur in range(prompt_len + 1, n):
         generator.update_candidate_strategy(sequence[:, :cur], None, 0)
         seen = generator.cache.get_seq_length()
@@ -130,14 +137,19 @@ def expected_sampled_stats(
         p = torch.stack([target_probs[pos] for pos in range(cur - 1, cur - 1 + k)]) if k else None
         alpha = torch.minimum(p, draft_logits[0, :k].softmax(-1)).sum(-1) if k else torch.zeros(0)
         survival[cur] = alpha.clamp(max=1.0).cumprod(0).tolist()
-    rounds = [0.0] * (n + 1)
+        if isinstance(generator.controller, RoundRecorder):
+            generator.controller.record_expected(alpha.clamp(max=1.0).tolist())
+        verified = 0 if draft_logits is None else draft_logits.shape[1]
+        round_ms[cur] = cost.modeled_round_ms(generator.stats.widths_per_round[-1], verified, 1.0) if cost else 0.0
+    rounds, ms = [0.0] * (n + 1), [0.0] * (n + 1)
     for cur in range(n - 1, prompt_len, -1):
         at_least = [1.0] + survival[cur] + [0.0]
-        rounds[cur] = 1.0 + sum(
-            (at_least[j] - at_least[j + 1]) * rounds[min(cur + j + 1, n)] for j in range(len(at_least) - 1)
-        )
+        exactly = [at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)]
+        rounds[cur] = 1.0 + sum(e * rounds[min(cur + j + 1, n)] for j, e in enumerate(exactly))
+        ms[cur] = round_ms[cur] + sum(e * ms[min(cur + j + 1, n)] for j, e in enumerate(exactly))
     forwards = 1.0 + rounds[prompt_len + 1]  # the prefill, then the verify rounds
-    return (n - prompt_len) / forwards, forwards
+    prefill_ms = cost.modeled_round_ms(1, 0, 1.0) if cost else 0.0
+    return (n - prompt_len) / forwards, forwards, prefill_ms + ms[prompt_len + 1]
 
 
 @dataclass
@@ -153,6 +165,9 @@ class OracleRecord:
     rounds: dict[int, float]
     features: list[float]
     temperature: float = 0.0
+    ms: dict[int, float] = field(default_factory=dict)  # modeled decoding time per candidate (with a cost model)
+    controller: str = "fixed"  # what cut each round: "fixed" (every draft verified) or "adaptive"
+    slot_rows: list[list[float]] = field(default_factory=list)  # calibration rows (see training.calibration)
 
 
 @torch.inference_mode()
@@ -165,9 +180,14 @@ def oracle_record(
     feature_layers: Sequence[int],
     max_new_tokens: int,
     temperature: float = 0.0,
+    cost: CostModel | None = None,
+    acceptance: AcceptanceModel | None = None,
+    adaptive: bool = False,
 ) -> OracleRecord:
     """One plain decode (greedy, or sampled at `temperature` with a seed from the prompt id), one target
-    forward, then a drafter replay per candidate block size."""
+    forward, then a drafter replay per candidate block size: every draft verified, or with `adaptive` cut
+    each round by `AdaptiveVerify(b, acceptance, cost)` (labels of the composed system). The replays'
+    rounds are recorded as calibration rows; with `cost`, each candidate's modeled decoding time too."""
     input_ids = chat_inputs(tokenizer, record.prompt, target.device)
     prompt_len = input_ids.shape[1]
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
@@ -181,18 +201,29 @@ def oracle_record(
     prefill = SimpleNamespace(hidden_states=tuple(h[:, :prompt_len] for h in out.hidden_states))
     features = prefill_features(prefill, list(feature_layers), target.get_output_embeddings(), temperature)[0]
     eos_ids = generation_eos_ids(target)
-    tau, rounds = {}, {}
+    if adaptive and cost is None:
+        raise ValueError("adaptive labels weigh each round's verify budget by its cost: pass a cost model")
+    new_tokens = sequence.shape[1] - prompt_len
+    tau, rounds, ms, slot_rows = {}, {}, {}, []
     for b in candidates:
         if b == 1:  # speculation off: one token per target forward
-            tau[b], rounds[b] = 1.0, sequence.shape[1] - prompt_len
-        elif temperature > 0:
-            tau[b], rounds[b] = expected_sampled_stats(
-                target, drafter, out.hidden_states, out.logits, sequence, prompt_len, b, max_new_tokens, processors,
-                eos_ids,
+            tau[b], rounds[b] = 1.0, new_tokens
+            ms[b] = new_tokens * cost.modeled_round_ms(1, 0, temperature) if cost else 0.0
+            continue
+        inner = AdaptiveVerify(b, acceptance=acceptance, cost_model=cost) if adaptive else DraftController(b)
+        recorder = RoundRecorder(inner, soft=temperature > 0)
+        if temperature > 0:
+            tau[b], rounds[b], ms[b] = expected_sampled_stats(
+                target, drafter, out.hidden_states, out.logits, sequence, prompt_len, recorder, max_new_tokens,
+                processors, eos_ids, cost,
             )
         else:
-            stats = replay_block_size(target, drafter, out.hidden_states, sequence, prompt_len, b, max_new_tokens, eos_ids)
+            stats = replay_block_size(
+                target, drafter, out.hidden_states, sequence, prompt_len, recorder, max_new_tokens, eos_ids
+            )
             tau[b], rounds[b] = stats.tau, stats.target_forwards
+            ms[b] = cost.modeled_decode_ms(stats, temperature) if cost else 0.0
+        slot_rows += [list(row) for row in recorder.rows]
     return OracleRecord(
         id=record.id,
         dataset=record.dataset,
@@ -202,6 +233,9 @@ def oracle_record(
         rounds=rounds,
         features=features.float().cpu().tolist(),
         temperature=temperature,
+        ms=ms if cost else {},
+        controller="adaptive" if adaptive else "fixed",
+        slot_rows=slot_rows,
     )
 
 
@@ -217,12 +251,17 @@ def collect_oracle_labels(
     shard: int = 0,
     num_shards: int = 1,
     temperatures: Sequence[float] = (0.0,),
+    cost: CostModel | None = None,
+    acceptance: AcceptanceModel | None = None,
+    adaptive: bool = False,
 ) -> Path:
     """Append an `OracleRecord` per prompt and temperature to `output_dir/labels-<shard>.jsonl` (resumable,
     shardable).
 
     Prompts are split round-robin over `num_shards` processes; a manifest records the setup. The policy's
-    features read the target layers `feature_layers` (default: `default_feature_layers(target)`).
+    features read the target layers `feature_layers` (default: `default_feature_layers(target)`). With `cost`,
+    each record holds every candidate's modeled time; `adaptive` labels decoding under `AdaptiveVerify` (with
+    `acceptance`, else its training-free entropy bound), i.e. the best drafting width *with* the controller.
     """
     feature_layers = checked_feature_layers(target, feature_layers)
     output_dir = Path(output_dir)
@@ -236,6 +275,8 @@ def collect_oracle_labels(
         "prompt_lookup": drafter.prompt_lookup,  # replays go through the decoding generator, lookup rounds included
         "num_shards": num_shards,
         "temperatures": list(temperatures),
+        "controller": "adaptive" if adaptive else "fixed",
+        "acceptance_model": acceptance.to_dict() if acceptance is not None else None,
     }
     (output_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     path = output_dir / f"labels-{shard:03d}.jsonl"
@@ -249,7 +290,8 @@ def collect_oracle_labels(
     with path.open("a") as f:
         for record, temperature in tqdm(mine, desc=f"oracle labels (shard {shard})", unit="label"):
             row = oracle_record(
-                target, tokenizer, drafter, record, candidates, feature_layers, max_new_tokens, temperature
+                target, tokenizer, drafter, record, candidates, feature_layers, max_new_tokens, temperature, cost,
+                acceptance, adaptive,
             )
             f.write(json.dumps(asdict(row)) + "\n")
             f.flush()
@@ -264,6 +306,7 @@ def read_oracle_labels(output_dir: str | Path) -> list[OracleRecord]:
             row = json.loads(line)
             row["tau"] = {int(k): v for k, v in row["tau"].items()}
             row["rounds"] = {int(k): v for k, v in row["rounds"].items()}
+            row["ms"] = {int(k): v for k, v in row.get("ms", {}).items()}
             rows.append(OracleRecord(**row))
     return rows
 

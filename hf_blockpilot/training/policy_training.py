@@ -20,6 +20,8 @@ from ..cpu_kernels import cpu_verify_kernels, skinny_linear
 from ..environment import cache_argument
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
+from ..controllers import AcceptanceModel
+from .calibration import fit_acceptance_model
 from .oracle import OracleRecord, sampling_processors
 
 
@@ -125,9 +127,13 @@ def _measure_cost_model(
 
 
 def objective_values(record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None) -> list[float]:
-    """Per candidate: τ(b) (`acceptance`) or modeled tokens per second τ(b) / round latency (`throughput`)."""
+    """Per candidate: τ(b) (`acceptance`) or modeled tokens per second (`throughput`): from the record's
+    modeled decoding times when it has them (collected with a cost model; the only way for labels collected
+    under the adaptive controller, whose rounds differ in cost), else τ(b) / round latency."""
     if objective == "acceptance":
         return [record.tau[b] for b in candidates]
+    if record.ms and all(record.ms.get(b, 0) > 0 for b in candidates):
+        return [1000.0 * record.new_tokens / record.ms[b] for b in candidates]
     if cost is None:
         raise ValueError("the `throughput` objective needs a cost model (hf-blockpilot collect measures one)")
     return [1000.0 * record.tau[b] / cost.round_ms(b, record.temperature) for b in candidates]
@@ -202,10 +208,12 @@ def train_policy(
     config: PolicyTrainingConfig,
     cost: CostModel | None = None,
     prompt_lookup: bool = False,
+    acceptance: AcceptanceModel | None = None,
 ) -> tuple[BlockPilotPolicy, PolicyReport]:
     """Fit a `BlockPilotPolicy` on oracle records: early stopping on validation regret, metrics on a test split
     of prompts it never saw. `prompt_lookup`: the records label decoding with prompt lookup on (recorded in the
-    policy). Returns the policy and that report."""
+    policy). The per-round controller's acceptance model (`acceptance`, else fitted on the records' recorded
+    rounds, when they have any) and `cost` are stored in the policy. Returns the policy and that report."""
     from ..policy import drafter_fingerprint
 
     torch.manual_seed(config.seed)
@@ -277,6 +285,10 @@ def train_policy(
             report.by_temperature[f"{t:g}"] = asdict(evaluate_choices(v_test[rows], chosen[rows], candidates, config.objective))
     policy.report = asdict(report)
     policy._hub_mixin_config["report"] = policy.report  # saved with the config, shown on the model card
+    rows = [row for r in records for row in r.slot_rows]
+    if acceptance is None and rows:
+        acceptance = fit_acceptance_model(rows)
+    policy.attach_verify_model(acceptance, cost)
     return policy, report
 
 
