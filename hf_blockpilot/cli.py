@@ -144,7 +144,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not gen["do_sample"]:
             result["identical_to_plain"] = bool(torch.equal(out, plain))
     print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=sys.stderr)
+    rounds = [f"{d}/{a}" for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round) if w > 1]
+    print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=sys.stderr)
     if args.json:
+        result["verified_and_accepted_per_round"] = [
+            [d, a] for d, a in zip(stats.drafted_per_round, stats.accepted_per_round, strict=True)
+        ]
         print(json.dumps(result))
     return 0 if result.get("identical_to_plain", True) else 1
 
@@ -459,7 +464,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import build_demo
 
     target, tokenizer, drafter = _load(args)
-    build_demo(target, tokenizer, drafter).launch(server_name=args.host, server_port=args.port, share=args.share)
+    controller = _controller(args.controller, drafter, None)
+    build_demo(target, tokenizer, drafter, controller).launch(
+        server_name=args.host, server_port=args.port, share=args.share
+    )
     return 0
 
 
@@ -625,6 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="Gradio share link")
+    p.add_argument("--controller", choices=CONTROLLERS, default="adaptive",
+                   help="how the BlockPilot side drafts and verifies (default: adaptive, under the policy)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("env", help="versions, devices and embedded assets (paste into bug reports)")

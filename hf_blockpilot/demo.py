@@ -15,9 +15,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from .controllers import AdaptiveVerify, DraftController
 from .cpu_kernels import cpu_verify_kernels
 from .evaluation import chat_inputs
 from .modeling_block_diffusion import BlockDiffusionDrafter
+from .stats import SpeculationStats
 
 ROUND_COLORS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fbcfe8")
 BONUS_STYLE = "text-decoration: underline; font-weight: 600"
@@ -40,16 +42,30 @@ class RoundStreamer(BaseStreamer):
         self.rounds.put(None)
 
 
-def rounds_html(tokenizer: PreTrainedTokenizerBase, rounds: list[list[int]]) -> str:
-    """Each round's tokens in its own colour; the round's last token (the target's bonus token) underlined."""
+def rounds_html(
+    tokenizer: PreTrainedTokenizerBase, rounds: list[list[int]], stats: SpeculationStats | None = None
+) -> str:
+    """Each round's tokens in its own colour; the round's last token (the target's bonus token) underlined.
+
+    With the request's `stats`, each round's tooltip says how many slots were drafted, how many drafts the
+    controller sent to the target and how many were accepted; rounds whose verification was cut short (fewer
+    drafts verified than drafted) get the class `truncated` and a dashed outline.
+    """
     parts = []
     for i, tokens in enumerate(rounds):
         color = ROUND_COLORS[i % len(ROUND_COLORS)]
         drafted = html.escape(tokenizer.decode(tokens[:-1], skip_special_tokens=True))
         bonus = html.escape(tokenizer.decode(tokens[-1:], skip_special_tokens=True))
+        title, classes, style = f"round {i}: {len(tokens) - 1} accepted + 1", f"round round-{i}", ""
+        if stats is not None and i < min(len(stats.widths_per_round), len(stats.drafted_per_round)):
+            slots, verified = stats.widths_per_round[i] - 1, stats.drafted_per_round[i]
+            title = f"round {i}: {slots} drafted, {verified} verified, {len(tokens) - 1} accepted + 1"
+            if verified < slots:
+                classes += " truncated"
+                style = "; outline: 1px dashed #555"
         parts.append(
-            f'<span class="round round-{i}" style="background:{color}; border-radius: 3px" title="round {i}: '
-            f'{len(tokens) - 1} accepted + 1">{drafted}<span class="bonus" style="{BONUS_STYLE}">{bonus}</span></span>'
+            f'<span class="{classes}" style="background:{color}; border-radius: 3px{style}" title="{title}">'
+            f'{drafted}<span class="bonus" style="{BONUS_STYLE}">{bonus}</span></span>'
         )
     style = "white-space: pre-wrap; overflow-wrap: anywhere; font-family: monospace"
     return f'<div class="blocks" style="{style}">' + "".join(parts) + "</div>"
@@ -68,10 +84,12 @@ def compare_stream(
     drafter: BlockDiffusionDrafter,
     prompt: str,
     max_new_tokens: int,
+    controller: DraftController | None = None,
 ) -> Iterator[tuple[str, str, str, dict]]:
     """Yield (plain text, BlockPilot HTML, stats markdown, policy probabilities) as both decodes stream.
 
-    Plain `generate` runs first, then BlockPilot, one after the other, so neither slows the other's timing.
+    Plain `generate` runs first, then BlockPilot (with `controller`, default the drafter's own settings), one
+    after the other, so neither slows the other's timing.
     """
     input_ids = chat_inputs(tokenizer, prompt, target.device)
     gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
@@ -89,40 +107,60 @@ def compare_stream(
     rounds_streamer = RoundStreamer()
     rounds: list[list[int]] = []
     start = time.perf_counter()
+    drafter.last_stats = None
     thread = _in_thread(
-        target.generate, {}, inputs=input_ids, streamer=rounds_streamer, assistant_model=drafter, **gen
+        target.generate, {}, inputs=input_ids, streamer=rounds_streamer, assistant_model=drafter,
+        draft_controller=controller, **gen,
     )
     while (tokens := rounds_streamer.rounds.get()) is not None:
         rounds.append(tokens)
-        yield plain_text, rounds_html(tokenizer, rounds), "BlockPilot running…", probs
+        # the request's statistics fill in as it runs (the generator updates them in place)
+        yield plain_text, rounds_html(tokenizer, rounds, drafter.last_stats), "BlockPilot running…", probs
     thread.join()
     seconds = time.perf_counter() - start
     stats = drafter.last_stats
     plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
     tps = stats.new_tokens / seconds
     probs = {f"b={b}": p for b, p in (stats.policy_probs or {}).items()}
+    rounds_with_drafts = max(len(stats.committed_per_draft_round), 1)
     stats_md = (
-        f"**block size** {stats.block_size} · **τ** {stats.tau:.2f} · **rounds** {stats.target_forwards} · "
+        f"**controller** {stats.controller} · **block size** {stats.block_size} · **τ** {stats.tau:.2f} · "
+        f"**rounds** {stats.target_forwards} · **drafts verified / round** "
+        f"{sum(stats.drafted_per_round) / rounds_with_drafts:.1f} of {sum(w - 1 for w in stats.widths_per_round) / rounds_with_drafts:.1f} drafted · "
         f"**tokens/s** {tps:.1f} (plain {plain_tps:.1f}) · **speedup** {tps / plain_tps:.2f}×"
-        + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else " · fixed block size")
+        + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else "")
+        + f" · per-round decisions {1000 * stats.controller_seconds:.1f} ms"
         + (f" · prompt-lookup rounds {stats.lookup_rounds}" if drafter.prompt_lookup else "")
     )
-    yield plain_text, rounds_html(tokenizer, rounds), stats_md, probs
+    yield plain_text, rounds_html(tokenizer, rounds, stats), stats_md, probs
 
 
-def build_demo(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, drafter: BlockDiffusionDrafter):
-    """The Gradio Blocks app (call `.queue().launch()`); one request at a time shares the models safely."""
+def build_demo(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController | None = None,
+):
+    """The Gradio Blocks app (call `.queue().launch()`); one request at a time shares the models safely.
+
+    `controller`: how BlockPilot drafts and verifies (default: `AdaptiveVerify` under the drafter's policy, or at
+    its block size)."""
     import gradio as gr
+
+    if controller is None:
+        policy = drafter.policy
+        controller = AdaptiveVerify(policy=policy) if policy is not None else AdaptiveVerify(drafter.block_size)
 
     def run(prompt: str, max_new_tokens: int):
         with cpu_verify_kernels(target, drafter):  # both sides get the CPU few-token kernels, as in timed_generate
-            yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens))
+            yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens), controller)
 
     with gr.Blocks(title="hf-blockpilot") as demo:
         gr.Markdown(
             "# hf-blockpilot\nBlock-diffusion speculative decoding with a per-request block size. Left: plain "
             "`generate`. Right: each coloured span is one verify round (accepted drafts + the target's underlined "
-            "bonus token). Greedy output is identical on both sides."
+            "bonus token); a dashed outline marks a round whose verification the per-round controller cut short "
+            "(hover for drafted / verified / accepted). Greedy output is identical on both sides."
         )
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt", scale=4)

@@ -36,6 +36,24 @@ def test_compare_stream_shows_every_round_and_matching_text():
     assert len(updates) > stats.target_forwards  # streamed, not all at the end
 
 
+def test_compare_stream_marks_rounds_the_controller_cut_short():
+    from hf_blockpilot import AcceptanceModel, AdaptiveVerify, CostModel
+
+    target, tokenizer = _pair()
+    ids = tokenizer("abcdefQ", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    drafter = ScriptedDrafter.from_target(target, block_size=8).eval()
+    drafter.rig(target, plain, error_rate=0.3, varied_confidence=True)
+    steep = CostModel(target_ms={1: 50.0, 8: 300.0}, drafter_ms={8: 5.0})
+    controller = AdaptiveVerify(8, acceptance=AcceptanceModel([-1.0], [1.0], [0.0]), cost_model=steep)
+    plain_text, blocks, stats_md, _ = list(compare_stream(target, tokenizer, drafter, "abcdef", 24, controller))[-1]
+    stats = drafter.last_stats
+    cut = sum(d < w - 1 for d, w in zip(stats.drafted_per_round, stats.widths_per_round) if w > 1)
+    assert cut > 0 and blocks.count(" truncated") == cut
+    assert "drafts verified / round" in stats_md and "adaptive(b=8" in stats_md
+    assert f"{stats.widths_per_round[1] - 1} drafted, {stats.drafted_per_round[1]} verified" in blocks
+
+
 def test_rounds_html_marks_the_bonus_token():
     tokenizer = char_tokenizer(VOCAB)
     out = rounds_html(tokenizer, [[1, 2, 3], [4]])
