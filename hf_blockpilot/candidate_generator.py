@@ -139,8 +139,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             keep = self._num_to_verify(DraftedRound(len(looked_up), lookup=True))
             drafts, logits = drafts[:, :keep], logits[:, :keep]
         else:
-            logits = self._draft_logits(input_ids, model_outputs, num_drafts + 1)
-            keep = self._num_to_verify(self._drafted_round(logits))
+            logits, draft_vocab_logits = self._draft_logits(input_ids, model_outputs, num_drafts + 1)
+            keep = self._num_to_verify(self._drafted_round(draft_vocab_logits))
             drafts, logits = self._select(input_ids, logits[:, :keep])
         drafts, logits = self._cut_before_stop(input_ids, drafts, logits)
         self.stats.drafted_per_round.append(drafts.shape[1])
@@ -176,18 +176,17 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
         Taken from the drafter's logits at the request's temperature, before any logits processor and before
         any draw, so they never depend on which tokens get drafted: deciding from them keeps sampling exact.
+        `logits` may be over the drafter's reduced vocabulary (the ids outside it have probability 0).
         """
         num_drafts = logits.shape[1]
         if not self.controller.reads_confidence:
             return DraftedRound(num_drafts)
         start = time.perf_counter()
         raw = logits[0].detach()
-        scaled = raw / self.temperature if self.temperature > 0 else raw
-        log_probs = torch.log_softmax(scaled, dim=-1)
-        probs = log_probs.exp()
-        entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(-1)
+        probs = torch.softmax(raw / self.temperature if self.temperature > 0 else raw, dim=-1)
+        confidence, entropy = probs.amax(dim=-1), torch.special.entr(probs).sum(dim=-1)
         self.stats.controller_seconds += time.perf_counter() - start
-        return DraftedRound(num_drafts, confidence=probs.max(dim=-1).values, entropy=entropy)
+        return DraftedRound(num_drafts, confidence=confidence, entropy=entropy)
 
     def _hidden_states_to_keep(self) -> bool | list[int]:
         """The target's hidden states that the drafter (and the policy) read, as `hidden_states` indices.
@@ -219,11 +218,13 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         positions = torch.arange(seen, seen + num_new, device=self.device).unsqueeze(0)
         return target_hidden.to(self.device), positions
 
-    def _draft_logits(self, input_ids: torch.LongTensor, model_outputs: Any, width: int) -> torch.Tensor:
+    def _draft_logits(
+        self, input_ids: torch.LongTensor, model_outputs: Any, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward over [new context ; last token, MASK x (width-1)]: logits of slots 1..width-1.
 
-        Returns full-vocabulary float logits; with a reduced draft vocabulary, ids outside it get -inf, so
-        the returned logits are exactly the distribution drafts are drawn from.
+        Returns full-vocabulary float logits (with a reduced draft vocabulary, ids outside it get -inf, so they
+        are exactly the distribution drafts are drawn from) and the same logits over the draft vocabulary.
         """
         target_hidden, context_positions = self._new_context(input_ids, model_outputs)
         block_ids = torch.full((1, width), self.drafter.mask_token_id, dtype=torch.long, device=input_ids.device)
@@ -243,10 +244,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         logits = skinny_linear(hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
         logits = logits.float()
         if self.drafter.d2t is None:
-            return logits
+            return logits, logits
         full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
         full[..., self.drafter.d2t.to(logits.device)] = logits
-        return full
+        return full, logits
 
     def _lookup_drafts(
         self, input_ids: torch.LongTensor, model_outputs: Any, looked_up: list[int]
