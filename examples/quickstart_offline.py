@@ -6,7 +6,7 @@
 import torch
 
 import hf_blockpilot  # routes generate(assistant_model=<drafter>) to block-diffusion drafting
-from hf_blockpilot.defaults import load_default_target, resolve_drafter, resolve_policy
+from hf_blockpilot.tools.loading import load_default_target, resolve_drafter, resolve_policy
 
 target, tokenizer = load_default_target()
 drafter = resolve_drafter()  # the embedded drafter

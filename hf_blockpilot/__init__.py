@@ -12,7 +12,12 @@ Importing the package registers the drafter with `AutoConfig`/`AutoModel` and ro
 
 from transformers import AutoConfig, AutoModel
 
-from .candidate_generator import BlockDiffusionCandidateGenerator, install_generate_routing
+from . import _moved
+from .candidate_generator import (
+    BlockDiffusionCandidateGenerator,
+    install_generate_routing,
+)
+from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .controllers import (
     AcceptanceEMA,
     AcceptanceModel,
@@ -34,7 +39,6 @@ from .cpu_kernels import (
     use_cpu_verify_kernels,
     use_skinny_linears,
 )
-from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
@@ -45,6 +49,7 @@ __version__ = "0.1.0.dev0"
 AutoConfig.register(BlockDiffusionConfig.model_type, BlockDiffusionConfig, exist_ok=True)
 AutoModel.register(BlockDiffusionConfig, BlockDiffusionDrafter, exist_ok=True)
 install_generate_routing()
+_moved.install()
 
 __all__ = [
     "AcceptanceEMA",

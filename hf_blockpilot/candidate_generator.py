@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from transformers.generation import GenerationMixin, GenerationMode
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
 from .controllers import DraftController, DraftedRound, resolve_controller
 from .cpu_kernels import skinny_linear
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
@@ -35,21 +35,12 @@ from .prompt_lookup import NgramLookup
 from .stats import SpeculationStats
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
-
-
-# Transformers 5.23 keeps `output_hidden_states=[indices]` at their usual positions (None elsewhere); 5.17
-# drops the embeddings entry and shifts the rest, so it is only used where this helper exists.
-try:
-    from transformers.utils.output_capturing import resolve_hidden_states_indices  # noqa: F401
-
-    _SELECTION_KEEPS_POSITIONS = True
-except ImportError:
-    _SELECTION_KEEPS_POSITIONS = False
-
-# Transformers releases up to about 5.22 end a round early when the *candidate* sequence meets a stopping
-# criterion, even with no candidates: a prompt that ends in EOS would then stop generation at once.
-_LOOP_CHECKS_CANDIDATES_FOR_STOP = "is_done_candidate" in inspect.getsource(GenerationMixin._assisted_decoding)
+    from transformers import (
+        GenerationConfig,
+        LogitsProcessorList,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+    )
 
 
 class BlockDiffusionCandidateGenerator(CandidateGenerator):
@@ -115,7 +106,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         """Return `input_ids` extended by the drafts, and the (processed) logits the drafts were drawn from."""
         self.stats.target_forwards += 1  # every call is followed by exactly one target forward
         if is_first_iteration:
-            if _LOOP_CHECKS_CANDIDATES_FOR_STOP and bool(self._stops(input_ids, first=input_ids.shape[1] - 1).any()):
+            if LOOP_CHECKS_CANDIDATES_FOR_STOP and bool(self._stops(input_ids, first=input_ids.shape[1] - 1).any()):
                 # Such a loop would stop before the first token. One placeholder candidate is verified like
                 # any draft (kept only if the target picks it), so the output is unchanged.
                 placeholder = self._placeholder_token(input_ids)
@@ -194,7 +185,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         Where Transformers keeps a selection at its usual positions (5.23), only those are held, which saves
         memory on long prompts; older releases index a selection differently, so they get all of them.
         """
-        if not _SELECTION_KEEPS_POSITIONS:
+        if not SELECTION_KEEPS_POSITIONS:
             return True
         keep = {i + 1 for i in self.drafter.target_layer_ids}
         controller_layers = self.controller.hidden_state_layers()

@@ -14,7 +14,6 @@ sampling the verifier's test runs on exactly the distributions the kept drafts w
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field

@@ -4,20 +4,16 @@ Speculative decoding runs the target over a handful of tokens per round; two sto
 forward far dearer than a one-token step, and `cpu_verify_kernels` replaces both for the duration of a block:
 
 - **Linear layers.** PyTorch's `F.linear` (an `x @ W.T` GEMM through MKL) is far slower for 2-32 rows than for
-  one: measured on this project's 2-core machine with SmolLM2-135M, one target forward over 4 tokens took 52 ms
-  against 31 ms for one token. The same product computed as `(W @ x.T).T` (`skinny_linear`) runs at GEMV speed
-  for few rows (4 tokens: 33 ms). One row (plain decoding), many rows (prefill), non-CPU tensors and dtypes
-  other than float32 keep `F.linear` (in bfloat16 the stock kernel was the faster one there: 1.6 vs 3.4 ms for
-  the 4-row LM head).
+  one; the same product computed as `(W @ x.T).T` (`skinny_linear`) runs at GEMV speed for few rows. One row
+  (plain decoding), many rows (prefill), non-CPU tensors and dtypes other than float32 keep `F.linear`.
 - **Attention with grouped key/value heads** (GQA: SmolLM2, Llama 3, Qwen3). For more than one query with a
   mask, Transformers' SDPA path copies every cached key and value `num_key_value_groups` times and PyTorch then
   falls back to its math kernel, which scales another copy of the keys: work and fresh memory that grow with
-  the context, paid in every layer of every verify round, while a one-token step needs none of it. Measured on
-  a 2-core AMD EPYC with SmolLM2-135M: a 4-token forward cost 1.15 / 1.35 / 1.9 plain steps at 256 / 1,024 /
-  2,048 context tokens. `grouped_query_attention` stacks the query heads that share a key/value head as extra
-  query rows instead, so nothing is repeated: 1.01 / 1.01 / 1.06 plain steps.
+  the context, paid in every layer of every verify round, while a one-token step needs none of it.
+  `grouped_query_attention` stacks the query heads that share a key/value head as extra query rows instead,
+  so nothing is repeated.
 
-Both agree with the stock kernels to float rounding.
+Both agree with the stock kernels to float rounding; the timings behind them are in docs/design-measurements.md.
 
     with hf_blockpilot.cpu_verify_kernels(target, drafter):
         target.generate(**inputs, assistant_model=drafter)
@@ -39,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import grouped_sdpa
 
-#: Up to this many rows `(W @ x.T).T` was measured faster than `F.linear` on CPU (and never slower); the grouped
+#: Up to this many rows `(W @ x.T).T` is faster than `F.linear` on CPU (docs/design-measurements.md); the grouped
 #: attention serves the same range of query lengths.
 SKINNY_MAX_ROWS = 32
 

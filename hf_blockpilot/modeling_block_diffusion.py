@@ -16,19 +16,15 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
 
+from ._compat import tensor_version
 from .attention import grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
-
-
-def tensor_version(tensor: torch.Tensor) -> tuple | None:
-    """What identifies a tensor's current contents, for caches of values derived from it: its storage, dtype,
-    device and in-place version counter. `None` for inference-mode tensors, which keep no counter."""
-    try:
-        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
-    except RuntimeError:
-        return None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ NUM_SCALAR_FEATURES = 5  # entropy, top-1 probability, top-1 minus top-2 probabi
 def drafter_fingerprint(drafter: nn.Module) -> str:
     """A short hash of the drafter's context projection, stable across fp32/bf16 loading.
 
-    Hashing copies the whole projection to the host (about 17 ms for the embedded drafter, 0.3 s for one sized
-    for Qwen3-4B on a 2-core CPU), and `generate` checks it on every call with a policy attached, so the hash is
-    kept on the drafter until the weight changes (another tensor, or an in-place update such as a training step).
+    Hashing copies the whole projection to the host (docs/design-measurements.md), and `generate` checks it on
+    every call with a policy attached, so the hash is kept on the drafter until the weight changes (another
+    tensor, or an in-place update such as a training step).
     """
     weight = drafter.fc.weight
     version = tensor_version(weight)  # None (an inference-mode tensor): hash it every time

@@ -20,14 +20,19 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"] and report["machine"]["cpu"]
     assert [(r["dataset"], r["temperature"]) for r in report["runs"]] == [
         ("humaneval", 0.0), ("gsm8k", 0.0), ("humaneval", 1.0), ("gsm8k", 1.0)]
+    baselines = {"heuristic", "ema", "entropy", "adaptive"}  # the per-round controllers, beside the fixed sizes
+    assert set(report["settings"]["controllers"]) == baselines
     for run in report["runs"]:
-        assert set(run["summary"]) == {"plain", "b=2", "b=4", "oracle"}
-        assert len(run["results"]) == 2 * 3  # prompts x (plain + 2 fixed sizes)
+        assert set(run["summary"]) == {"plain", "b=2", "b=4", "oracle"} | baselines
+        assert len(run["results"]) == 2 * 7  # prompts x (plain + 2 fixed sizes + 4 controllers)
         assert run["summary"]["plain"]["speedup"] == 1.0
+        assert 0 < run["summary"]["b=4"]["verified_per_round"] <= 3
+        assert 0 <= run["summary"]["adaptive"]["verified_per_round"] <= 15  # a random drafter: often none
         if run["temperature"] == 0:
             assert all(r["identical_to_plain"] for r in run["results"])
     table = (out / "results.md").read_text()
-    assert "### humaneval, T=0" in table and "| b=4 |" in table
+    assert "### humaneval, T=0" in table and "| b=4 |" in table and "| adaptive |" in table
+    assert "per-round decision overhead" in table
     for name in ("speedup.png", "block_sizes.png", "tau.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "| oracle |" in capsys.readouterr().out
@@ -38,9 +43,10 @@ def test_bench_with_prompt_lookup_records_it(tmp_path):
     out = tmp_path / "bench"
     code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
                  "--datasets", "humaneval", "--limit", "2", "--block-sizes", "4", "--temperatures", "0",
-                 "--max-new-tokens", "8", "--repeats", "1", "--prompt-lookup", "--output-dir", str(out)])
+                 "--max-new-tokens", "8", "--repeats", "1", "--prompt-lookup", "--no-baselines", "--output-dir", str(out)])
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["prompt_lookup"] is True
+    assert set(report["runs"][0]["summary"]) == {"plain", "b=4", "oracle"}  # --no-baselines
     assert all(r["identical_to_plain"] for r in report["runs"][0]["results"])
     assert "Prompt lookup on" in (out / "results.md").read_text()

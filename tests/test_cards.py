@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from conftest import make_drafter, make_target
 
-from hf_blockpilot.cards import drafter_model_card
-from hf_blockpilot.evaluation import TauReport
+from hf_blockpilot.tools.cards import drafter_model_card
+from hf_blockpilot.tools.evaluation import TauReport
 
 
 def test_drafter_card_reports_tau_per_block_size():

@@ -26,7 +26,7 @@ def test_help_lists_subcommands():
 def test_generate_command_on_the_real_default_target(tmp_path, capsys):
     """`generate --compare` on SmolLM2 (converted from the GGUF package) with a drafter given by directory."""
     pytest.importorskip("gguf", reason="the embedded default target needs the `gguf` package")
-    from hf_blockpilot.defaults import load_default_target
+    from hf_blockpilot.tools.loading import load_default_target
 
     try:
         target, _ = load_default_target()
@@ -127,7 +127,7 @@ def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
 
 
 def test_a_missing_drafter_directory_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from hf_blockpilot import defaults
+    from hf_blockpilot.tools import loading as defaults
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the sources were checked")
@@ -149,7 +149,7 @@ def test_block_size_lists_are_sorted_and_distinct():
 
 
 def test_train_policy_without_labels_says_to_collect_them(tmp_path, capsys, monkeypatch):
-    from hf_blockpilot import defaults
+    from hf_blockpilot.tools import loading as defaults
 
     monkeypatch.setattr(defaults, "resolve_target", lambda *a, **k: pytest.fail("a model was loaded"))
     assert main(["train-policy", "--labels", str(tmp_path / "labels"), "--output", str(tmp_path / "policy")]) == 2

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_blockpilot import cpu_kernels, cpu_verify_kernels, skinny_linear, skinny_linears, use_skinny_linears
-from hf_blockpilot.environment import cache_argument
+from hf_blockpilot._compat import cache_argument
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 5, 24), (3, 4, 24), (32, 24), (40, 24), (0, 24)])
@@ -133,7 +133,7 @@ def test_greedy_speculative_output_unchanged_under_cpu_kernels(kernels):
 
 
 def test_timed_generate_runs_both_methods_under_cpu_verify_kernels():
-    from hf_blockpilot.evaluation import timed_generate
+    from hf_blockpilot.tools.evaluation import timed_generate
 
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=4)
     drafter = make_drafter(target, block_size=4)

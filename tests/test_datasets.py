@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from hf_blockpilot import datasets
-from hf_blockpilot.datasets import (
+from hf_blockpilot.data import evaluation_sets as datasets
+from hf_blockpilot.data import (
     EVAL_DATASETS,
     PromptRecord,
     chat_training_prompts,

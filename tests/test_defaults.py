@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_blockpilot import defaults
+from hf_blockpilot.tools import loading as defaults
 
 _real_find_spec = importlib.util.find_spec
 

@@ -9,7 +9,7 @@ import socket
 import pytest
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
-from hf_blockpilot.demo import compare_stream, rounds_html
+from hf_blockpilot.tools.demo import compare_stream, rounds_html
 
 VOCAB = 48
 
@@ -76,7 +76,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def test_demo_in_a_real_browser(tmp_path):
     pytest.importorskip("gradio")
     playwright = pytest.importorskip("playwright.sync_api")
-    from hf_blockpilot.demo import build_demo
+    from hf_blockpilot.tools.demo import build_demo
 
     target, tokenizer = _pair()
     ids = tokenizer("helloQ", return_tensors="pt", add_special_tokens=False)["input_ids"]

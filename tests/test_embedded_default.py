@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from hf_blockpilot.defaults import (
+from hf_blockpilot.tools.loading import (
     DEFAULT_DRAFTER_DIR,
     DEFAULT_LOOKUP_POLICY_DIR,
     DEFAULT_POLICY_DIR,
     resolve_drafter,
     resolve_policy,
 )
-from hf_blockpilot.evaluation import chat_inputs
+from hf_blockpilot.data import chat_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def default_pair():
     pytest.importorskip("gguf", reason="the embedded default target needs the `gguf` package")
-    from hf_blockpilot.defaults import load_default_target
+    from hf_blockpilot.tools.loading import load_default_target
 
     try:
         target, tokenizer = load_default_target()
@@ -70,7 +70,7 @@ def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
     target, tokenizer = default_pair
     policy = resolve_policy("default")
     assert policy is not None
-    from hf_blockpilot.datasets import load_prompts
+    from hf_blockpilot.data import load_prompts
 
     records = load_prompts("humaneval", 3) + load_prompts("mtbench", 4) + load_prompts("gsm8k", 3)
     chosen, hot, probs = {}, {}, []

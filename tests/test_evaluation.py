@@ -7,8 +7,9 @@ import time
 import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
-from hf_blockpilot.datasets import PromptRecord
-from hf_blockpilot.evaluation import chat_inputs, decode_methods, measure_tau
+from hf_blockpilot.data import PromptRecord
+from hf_blockpilot.data import chat_inputs
+from hf_blockpilot.tools.evaluation import decode_methods, measure_tau
 
 
 def test_measure_tau_pools_the_generators_statistics():
@@ -82,7 +83,7 @@ def test_decode_methods_warms_up_the_policy_path_before_timing():
 
 
 def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
-    from hf_blockpilot import evaluation
+    from hf_blockpilot.tools import evaluation
 
     target, tokenizer, prompts, drafter = _toy_decoding_setup()
     order = []

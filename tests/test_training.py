@@ -10,7 +10,7 @@ import torch
 from conftest import char_tokenizer, make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
-from hf_blockpilot.datasets import PromptRecord
+from hf_blockpilot.data import PromptRecord
 from hf_blockpilot.training.data import (
     TrainingSequence,
     cache_hidden_states,
@@ -144,8 +144,8 @@ def _cpu_bf16(monkeypatch, native: bool) -> None:
 def test_generate_responses_resumes_and_uses_bf16_only_where_native(tmp_path, monkeypatch, native):
     from conftest import char_tokenizer
 
-    from hf_blockpilot.datasets import PromptRecord
-    from hf_blockpilot.environment import runs_bf16_natively
+    from hf_blockpilot.data import PromptRecord
+    from hf_blockpilot._compat import runs_bf16_natively
     from hf_blockpilot.training.data import generate_responses, read_sequences
 
     _cpu_bf16(monkeypatch, native)

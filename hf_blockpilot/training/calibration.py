@@ -10,7 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..controllers import AcceptanceModel, DraftController, DraftedRound, resolve_controller
+from ..controllers import (
+    AcceptanceModel,
+    DraftController,
+    DraftedRound,
+    resolve_controller,
+)
 
 # one row per drafted slot: slot index (0 = first draft), confidence, entropy, lookup (0/1), label in [0, 1]
 SlotRow = tuple[int, float, float, int, float]

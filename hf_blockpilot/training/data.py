@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..datasets import PromptRecord
-from ..environment import runs_bf16_natively
+from .._compat import runs_bf16_natively
+from ..data import PromptRecord
 
 RESPONSES_FILE = "responses.jsonl"
 MAX_PROMPT_TOKENS = 384  # longer prompts keep their last tokens

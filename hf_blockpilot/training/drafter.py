@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..environment import runs_bf16_natively
+from .._compat import runs_bf16_natively
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .data import TrainingSequence, load_hidden_states, target_hidden_states
 
@@ -60,7 +60,7 @@ class DrafterTrainingConfig:
     eval_every: int = 500
     # Share of each sequence's anchors placed where greedy decoding with the current drafter starts its rounds
     # (replayed each step over a window of twice as many positions): right after a failed draft, where real
-    # rounds start and drafting is hardest. At 0.5 a CPU step took 45% longer (7.1 vs 4.9 s, 8 sequences).
+    # rounds start and drafting is hardest. Costs one more drafter forward per sequence (docs/design-measurements.md).
     decoding_anchor_fraction: float = 0.0
 
     def __post_init__(self) -> None:
@@ -517,7 +517,12 @@ def train_drafter(
     target (fine-tuning, e.g. on one domain's responses; fresh optimizer and schedule; its architecture and
     vocabulary are kept, the architecture arguments are ignored).
     """
-    from .data import cache_hidden_states, generate_responses, generation_eos_ids, read_sequences
+    from .data import (
+        cache_hidden_states,
+        generate_responses,
+        generation_eos_ids,
+        read_sequences,
+    )
 
     config = config or DrafterTrainingConfig()
     output_dir = Path(output_dir)

@@ -23,13 +23,17 @@ from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from ..candidate_generator import BlockDiffusionCandidateGenerator
 from ..controllers import AcceptanceModel, AdaptiveVerify, DraftController
 from ..costs import CostModel
-from ..datasets import PromptRecord
-from ..evaluation import chat_inputs
+from ..data import PromptRecord, chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..policy import checked_feature_layers, prefill_features
 from ..stats import SpeculationStats
@@ -323,7 +327,7 @@ def check_replay_against_decoding(
     """On a sample, decode for real once per b and compare with the replay: equality and the time saved."""
     import time
 
-    from ..evaluation import timed_generate
+    from ..tools.evaluation import timed_generate
 
     eos_ids = generation_eos_ids(target)
     equal, total, decode_seconds, replay_seconds = 0, 0, 0.0, 0.0

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from .._compat import cache_argument
+from ..controllers import AcceptanceModel
 from ..costs import CostModel
 from ..cpu_kernels import cpu_verify_kernels, skinny_linear
-from ..environment import cache_argument
 from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from ..policy import BlockPilotPolicy
-from ..controllers import AcceptanceModel
 from .calibration import fit_acceptance_model
 from .oracle import OracleRecord, sampling_processors
 

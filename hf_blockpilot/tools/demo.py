@@ -15,11 +15,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
-from .controllers import AdaptiveVerify, DraftController
-from .cpu_kernels import cpu_verify_kernels
-from .evaluation import chat_inputs
-from .modeling_block_diffusion import BlockDiffusionDrafter
-from .stats import SpeculationStats
+from ..controllers import AdaptiveVerify, DraftController
+from ..cpu_kernels import cpu_verify_kernels
+from ..data import chat_inputs
+from ..modeling_block_diffusion import BlockDiffusionDrafter
+from ..stats import SpeculationStats
 
 ROUND_COLORS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fbcfe8")
 BONUS_STYLE = "text-decoration: underline; font-weight: 600"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import TauReport
-from .modeling_block_diffusion import BlockDiffusionDrafter
 
-TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"
+TEMPLATE = Path(__file__).parent.parent / "templates" / "drafter_card.md"
 
 
 def drafter_model_card(

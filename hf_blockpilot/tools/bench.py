@@ -15,11 +15,11 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import __version__
-from .controllers import DraftController
-from .datasets import load_prompts
+from .. import __version__
+from ..controllers import DraftController
+from ..data import load_prompts
+from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import MethodResult, decode_methods, summarize_methods
-from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
 def cpu_model() -> str:

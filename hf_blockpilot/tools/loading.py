@@ -283,7 +283,8 @@ def resolve_target(
 
 
 #: Directory (inside the installed package) of the embedded default drafter for SmolLM2-135M-Instruct.
-DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-dflash"
+ASSETS = Path(__file__).parent.parent / "assets"
+DEFAULT_DRAFTER_DIR = ASSETS / "smollm2-135m-instruct-dflash"
 
 
 def resolve_drafter(
@@ -292,7 +293,7 @@ def resolve_drafter(
     device: str | torch.device = "cpu",
 ):
     """Load a `BlockDiffusionDrafter` by Hub id or local directory; `None` gives the embedded default."""
-    from .modeling_block_diffusion import BlockDiffusionDrafter
+    from ..modeling_block_diffusion import BlockDiffusionDrafter
 
     path = DEFAULT_DRAFTER_DIR if name_or_path is None else checked_source(name_or_path, "drafter")
     if name_or_path is None and not (DEFAULT_DRAFTER_DIR / "config.json").exists():
@@ -307,9 +308,9 @@ def resolve_drafter(
 
 
 #: Directory (inside the installed package) of the embedded default BlockPilot policy for that pair.
-DEFAULT_POLICY_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-blockpilot"
+DEFAULT_POLICY_DIR = ASSETS / "smollm2-135m-instruct-blockpilot"
 #: The embedded policy for the same pair when the drafter runs with `prompt_lookup` on (labels collected with it).
-DEFAULT_LOOKUP_POLICY_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-blockpilot-lookup"
+DEFAULT_LOOKUP_POLICY_DIR = ASSETS / "smollm2-135m-instruct-blockpilot-lookup"
 
 
 def resolve_policy(
@@ -319,7 +320,7 @@ def resolve_policy(
 ):
     """A `BlockPilotPolicy` by Hub id or directory; "default" gives the embedded one (None if absent) for decoding
     with `prompt_lookup` off or on; None: none."""
-    from .policy import BlockPilotPolicy
+    from ..policy import BlockPilotPolicy
 
     if name_or_path is None or str(name_or_path) == "none":
         return None

@@ -10,22 +10,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .controllers import BlockSizePolicy, DraftController, PolicyBlockSize
-from .cpu_kernels import cpu_verify_kernels
-from .datasets import PromptRecord
-from .modeling_block_diffusion import BlockDiffusionDrafter
-from .stats import SpeculationStats
-
-
-def chat_inputs(tokenizer: PreTrainedTokenizerBase, prompt: str, device: torch.device | str) -> torch.Tensor:
-    """Prompt ids (1, n) with the tokenizer's chat template applied when it has one."""
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-    else:
-        text = prompt
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+from ..controllers import BlockSizePolicy, DraftController, PolicyBlockSize
+from ..cpu_kernels import cpu_verify_kernels
+from ..data import PromptRecord, chat_inputs
+from ..modeling_block_diffusion import BlockDiffusionDrafter
+from ..stats import SpeculationStats
 
 
 def timed_generate(

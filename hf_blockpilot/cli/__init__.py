@@ -1,0 +1,44 @@
+"""`hf-blockpilot` command line (thin: each subcommand calls the library)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from . import bench, demo, drafter, env, generate, policy
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-blockpilot", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (generate, drafter, policy, bench, demo, env):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    package_logger = logging.getLogger("hf_blockpilot")
+    if not package_logger.handlers:  # the library's own messages (not Transformers') on stderr
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"hf-blockpilot {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, ModuleNotFoundError) as error:  # bad input, missing files or packages
+        if os.environ.get("HF_BLOCKPILOT_DEBUG"):
+            raise
+        print(f"hf-blockpilot {args.command}: error: {error}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

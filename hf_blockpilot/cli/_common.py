@@ -1,0 +1,142 @@
+"""What the `hf-blockpilot` commands share: argument types, the common flags, loading the models, building
+the draft controller."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from ...controllers import AcceptanceModel, DraftController
+    from ...modeling_block_diffusion import BlockDiffusionDrafter
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+def block_size_arg(text: str) -> int:
+    from ..controllers import check_block_size
+
+    try:
+        return check_block_size(int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
+    return value
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+class SortedDistinct(argparse.Action):
+    """For lists of block sizes: sorted, each once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, sorted(set(values)))
+
+def device_arg(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this torch build or machine has no CUDA; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available here; use --device cpu")
+    return text
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None, help="drafter Hub id or directory (default: the embedded drafter)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+
+def add_lookup_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="rounds whose last tokens occurred earlier draft their continuation (lossless)")
+
+def add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", dest="use_policy", default="default",
+                        help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+
+def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
+    """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags."""
+    from ..tools.loading import (
+        checked_source,
+        resolve_drafter,
+        resolve_policy,
+        resolve_target,
+    )
+
+    # a mistyped directory fails before any model is loaded
+    policy_source = getattr(args, "use_policy", None) or getattr(args, "policy", None)
+    for what, source in (("target", args.target), ("drafter", args.drafter), ("policy", policy_source)):
+        if source is not None and source not in ("default", "none"):
+            checked_source(source, what)
+    target, tokenizer = resolve_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = resolve_drafter(args.drafter, dtype=args.dtype, device=args.device)
+    drafter.prompt_lookup = getattr(args, "prompt_lookup", False)
+    if getattr(args, "use_policy", None) is not None:
+        # the embedded policy only belongs to the embedded pair
+        default_pair = args.target is None and args.drafter is None
+        choice = args.use_policy if args.use_policy != "default" or default_pair else None
+        drafter.set_policy(resolve_policy(choice, device=args.device, prompt_lookup=drafter.prompt_lookup))
+    return target, tokenizer, drafter
+
+CONTROLLERS = ("adaptive", "fixed", "heuristic", "ema", "entropy")
+
+def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int | None) -> DraftController:
+    """The `--controller` of a command: `block_size` (if given) replaces the drafter's policy as the width."""
+    from ..controllers import (
+        AcceptanceEMA,
+        AdaptiveVerify,
+        EntropyStop,
+        HeuristicSchedule,
+        PolicyBlockSize,
+    )
+
+    policy = drafter.policy if block_size is None else None
+    width = block_size or drafter.block_size
+    if name == "adaptive":
+        return AdaptiveVerify(width, policy=policy)
+    if name == "fixed":
+        return PolicyBlockSize(policy) if policy is not None else DraftController(width)
+    return {"heuristic": HeuristicSchedule, "ema": AcceptanceEMA, "entropy": EntropyStop}[name](max_block_size=width)
+
+def load_acceptance_model(source: str) -> AcceptanceModel:
+    """An acceptance model from a JSON file (`acceptance_model.json`) or a policy directory that carries one."""
+    from pathlib import Path
+
+    from ..controllers import AcceptanceModel
+
+    path = Path(source)
+    if path.is_dir():
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        if not config.get("acceptance_model"):
+            raise ValueError(f"{source} holds no acceptance model (a policy trained on labels with recorded rounds does)")
+        return AcceptanceModel.from_dict(config["acceptance_model"])
+    if not path.is_file():
+        raise FileNotFoundError(f"no acceptance model at {source}: pass an acceptance_model.json or a policy directory")
+    return AcceptanceModel.from_dict(json.loads(path.read_text()))
+
+def shard_of(args: argparse.Namespace) -> tuple[int, int]:
+    """(shard, num_shards): from `accelerate launch` / torchrun (RANK, WORLD_SIZE) when set, else the flags."""
+    import os
+
+    return int(os.environ.get("RANK", args.shard)), int(os.environ.get("WORLD_SIZE", args.num_shards))

@@ -1,0 +1,60 @@
+"""`hf-blockpilot` commands: the benchmark: every method on the held-out sets."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import (
+    SortedDistinct,
+    add_lookup_arg,
+    add_model_args,
+    add_optional_policy_arg,
+    block_size_arg,
+    load_models,
+    non_negative_float,
+    positive_int,
+)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..controllers import AdaptiveVerify, baseline_controllers
+    from ..tools.bench import run_benchmark
+
+    target, tokenizer, drafter = load_models(args)
+    policy = drafter.policy
+    block_sizes = args.block_sizes or ([b for b in policy.candidates if b > 1] if policy else [4, 8, 16])
+    controllers = {}
+    if not args.no_baselines:
+        controllers = {k: v for k, v in baseline_controllers([], args.max_block_size).items()}
+        controllers["adaptive"] = AdaptiveVerify(args.max_block_size)
+        if policy is not None:
+            controllers["adaptive+policy"] = AdaptiveVerify(policy=policy)
+    report = run_benchmark(
+        target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
+        args.max_new_tokens, args.repeats, args.output_dir, controllers,
+    )
+    from ..tools.bench import markdown_report
+
+    print(markdown_report(report))
+    mismatches = sum(row["mismatches"] for run in report["runs"] if run["temperature"] == 0 for row in run["summary"].values())
+    return 0 if mismatches == 0 else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this module's subcommands."""
+    p = sub.add_parser("bench", help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots")
+    add_model_args(p)
+    add_lookup_arg(p)
+    add_optional_policy_arg(p)
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
+    p.add_argument("--block-sizes", type=positive_int, nargs="+", action=SortedDistinct, default=None)
+    p.add_argument("--temperatures", type=non_negative_float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--limit", type=positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--max-block-size", type=block_size_arg, default=16,
+                   help="drafting width of the per-round controllers (adaptive, heuristic, ema, entropy)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="only plain, fixed block sizes and the policy (no per-round controllers)")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,162 @@
+"""`hf-blockpilot` commands: train a DFlash drafter, and measure one by real decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ._common import (
+    SortedDistinct,
+    add_lookup_arg,
+    add_model_args,
+    device_arg,
+    fraction,
+    load_models,
+    positive_int,
+)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from ..data import chat_training_prompts, read_prompt_file, stdlib_training_prompts
+    from ..tools.loading import resolve_target
+    from ..training.drafter import DrafterTrainingConfig, train_drafter
+
+    target, tokenizer = resolve_target(args.target, dtype="float32", device=args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed) + chat_training_prompts(
+        args.chat_prompts, seed=args.seed
+    )
+    for path in args.prompts_file or []:
+        prompts += read_prompt_file(path)
+    config = DrafterTrainingConfig(
+        block_size=args.block_size,
+        max_steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        anchors_per_sequence=args.anchors,
+        sequences_per_step=args.sequences_per_step,
+        max_minutes=args.max_minutes,
+        warmup_steps=args.warmup_steps,
+        validation_fraction=args.validation_fraction,
+        seed=args.seed,
+        decoding_anchor_fraction=args.decoding_anchors,
+    )
+    drafter = train_drafter(
+        target,
+        tokenizer,
+        args.output_dir,
+        prompts or None,
+        num_layers=args.num_layers,
+        target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id,
+        draft_vocab_size=args.draft_vocab_size or None,
+        generation_batch_size=args.generation_batch_size,
+        max_new_tokens=args.max_new_tokens,
+        config=config,
+        refresh_draft_vocab=args.refresh_draft_vocab,
+        cache_hidden_states_on_disk=not args.no_hidden_cache,
+        init_drafter=args.init_drafter,
+    )
+    if args.save_to:
+        drafter.save_pretrained(args.save_to)
+    return 0
+
+def cmd_eval_drafter(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ..data import load_prompts
+    from ..tools.evaluation import measure_tau
+
+    target, tokenizer, drafter = load_models(args)
+    reports = []
+    for name in args.datasets:
+        report = measure_tau(
+            target, tokenizer, drafter, load_prompts(name, args.limit), args.block_sizes, args.max_new_tokens
+        )
+        reports.append(asdict(report))
+        cells = " | ".join(f"b={b}: τ={report.tau[b]:.2f}" for b in report.block_sizes)
+        print(f"{name} ({report.prompts} prompts): {cells} | mismatches: {sum(report.mismatches.values())}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(reports, f, indent=2)
+    if args.card:
+        from pathlib import Path
+
+        from ..tools.cards import drafter_model_card
+        from ..tools.evaluation import TauReport
+
+        card = drafter_model_card(
+            drafter,
+            name=args.card_name or Path(args.drafter or "drafter").name,
+            target_name=args.card_target_name or getattr(target.config, "_name_or_path", ""),
+            reports=[TauReport(**r) for r in reports],
+            recipe=Path(args.card_recipe).read_text() if args.card_recipe else "",
+            train_command=args.card_train_command or "",
+            eval_command=(
+                f"hf-blockpilot eval-drafter --datasets {' '.join(args.datasets)} --block-sizes "
+                f"{' '.join(map(str, args.block_sizes))} --max-new-tokens {args.max_new_tokens}"
+                + (f" --limit {args.limit}" if args.limit else "")
+                + (" --prompt-lookup" if args.prompt_lookup else "")
+            ),
+        )
+        card.save(args.card)
+    return 0 if all(sum(r["mismatches"].values()) == 0 for r in reports) else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this module's subcommands (training defaults come from `DrafterTrainingConfig`)."""
+    from ..training.drafter import DrafterTrainingConfig
+
+    config = DrafterTrainingConfig()
+    p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (resumable)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--device", type=device_arg, default="cpu")
+    p.add_argument("--output-dir", required=True, help="run directory: data, hidden-state cache, checkpoint")
+    p.add_argument("--num-prompts", type=int, default=4000, help="stdlib (code) prompts answered by the target")
+    p.add_argument("--chat-prompts", type=int, default=2000, help="general chat prompts answered by the target")
+    p.add_argument("--prompts-file", nargs="+", default=None,
+                   help="more prompts for the target to answer: JSON lines with \"prompt\" and an optional unique \"id\"")
+    p.add_argument("--generation-batch-size", type=positive_int, default=64, help="prompts answered per target generate call")
+    p.add_argument("--max-new-tokens", type=positive_int, default=192)
+    p.add_argument("--num-layers", type=positive_int, default=1)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="id for draft slots (default: last embedding row)")
+    p.add_argument("--warmup-steps", type=int, default=config.warmup_steps)
+    p.add_argument("--block-size", type=positive_int, default=config.block_size)
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
+    p.add_argument("--refresh-draft-vocab", action="store_true",
+                   help="when resuming, rebuild the reduced vocabulary from the current data (e.g. after adding chat prompts)")
+    p.add_argument("--max-steps", type=positive_int, default=config.max_steps)
+    p.add_argument("--max-minutes", type=float, default=config.max_minutes)
+    p.add_argument("--learning-rate", type=float, default=config.learning_rate)
+    p.add_argument("--anchors", type=positive_int, default=config.anchors_per_sequence)
+    p.add_argument("--decoding-anchors", type=fraction, default=config.decoding_anchor_fraction, metavar="FRACTION",
+                   help="share of anchors where greedy decoding with the current drafter starts its rounds "
+                        "(replayed each step over a window of twice as many positions: one more drafter forward per sequence)")
+    p.add_argument("--sequences-per-step", type=positive_int, default=config.sequences_per_step, help="sequences per optimizer step (one forward)")
+    p.add_argument("--no-hidden-cache", action="store_true",
+                   help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)")
+    p.add_argument("--validation-fraction", type=float, default=config.validation_fraction, help="sequences held out to track τ")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=config.seed)
+    p.add_argument("--save-to", default=None, help="also save the final drafter here")
+    p.add_argument("--init-drafter", default=None,
+                   help="start a new run from this drafter (Hub id or directory): fine-tuning with a fresh optimizer")
+    p.set_defaults(func=cmd_train_drafter)
+
+    p = sub.add_parser("eval-drafter", help="τ by real greedy decoding on held-out prompt sets")
+    add_model_args(p)
+    add_lookup_arg(p)
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--block-sizes", nargs="+", type=positive_int, action=SortedDistinct, default=[4, 8, 16])
+    p.add_argument("--limit", type=positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--output", default=None, help="write the reports as JSON")
+    p.add_argument("--card", default=None, help="write a model card (README.md) with the measured τ here")
+    p.add_argument("--card-name", default=None)
+    p.add_argument("--card-target-name", default=None, help="Hub id of the target named on the card")
+    p.add_argument("--card-recipe", default=None, help="markdown file describing the training recipe and data")
+    p.add_argument("--card-train-command", default=None)
+    p.set_defaults(func=cmd_eval_drafter)

@@ -1,0 +1,89 @@
+"""`hf-blockpilot` commands: answer one prompt, streamed, with the statistics (and the speedup over plain generate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ._common import (
+    CONTROLLERS,
+    add_lookup_arg,
+    add_model_args,
+    add_optional_policy_arg,
+    block_size_arg,
+    build_controller,
+    load_models,
+    non_negative_float,
+    positive_int,
+)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from ..data import chat_inputs
+    from ..tools.evaluation import timed_generate
+
+    target, tokenizer, drafter = load_models(args)
+    controller = build_controller(args.controller, drafter, args.block_size)
+    input_ids = chat_inputs(tokenizer, args.prompt, target.device)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
+    if args.temperature > 0:
+        gen["temperature"] = args.temperature
+    if args.compare:  # warm both paths so neither pays first-call costs in the comparison
+        timed_generate(target, input_ids, drafter, max_new_tokens=8, do_sample=False, draft_controller=controller)
+        timed_generate(target, input_ids, max_new_tokens=8, do_sample=False)
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out, seconds = timed_generate(target, input_ids, drafter, streamer=streamer, draft_controller=controller, **gen)
+    if args.no_stream:
+        print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
+    stats = drafter.last_stats
+    result = {
+        "controller": stats.controller,
+        "block_size": stats.block_size,
+        "tau": round(stats.tau, 3),
+        "verified_per_round": round(sum(stats.drafted_per_round) / max(len(stats.committed_per_draft_round), 1), 2),
+        "new_tokens": stats.new_tokens,
+        "tokens_per_second": round(stats.new_tokens / seconds, 2),
+    }
+    if drafter.prompt_lookup:
+        result["lookup_rounds"] = stats.lookup_rounds
+    if args.compare:
+        plain, plain_seconds = timed_generate(target, input_ids, **gen)
+        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
+        result["plain_tokens_per_second"] = round(plain_tps, 2)
+        result["speedup"] = round(result["tokens_per_second"] / plain_tps, 3)
+        if not gen["do_sample"]:
+            result["identical_to_plain"] = bool(torch.equal(out, plain))
+    print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=sys.stderr)
+    rounds = [f"{d}/{a}" for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round) if w > 1]
+    print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=sys.stderr)
+    if args.json:
+        result["verified_and_accepted_per_round"] = [
+            [d, a] for d, a in zip(stats.drafted_per_round, stats.accepted_per_round, strict=True)
+        ]
+        print(json.dumps(result))
+    return 0 if result.get("identical_to_plain", True) else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this module's subcommands."""
+    p = sub.add_parser("generate", help="answer a prompt with block-diffusion speculative decoding")
+    p.add_argument("prompt")
+    add_model_args(p)
+    add_lookup_arg(p)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="drafting width (turns the policy off); with --controller fixed, every draft is verified")
+    p.add_argument("--controller", choices=CONTROLLERS, default="adaptive",
+                   help="adaptive: verify the drafts worth it each round (default); fixed: every draft; "
+                        "heuristic / ema / entropy: the baselines of `bench`")
+    add_optional_policy_arg(p)
+    p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
+    p.set_defaults(func=cmd_generate)
