@@ -19,9 +19,9 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
 from torch import nn
 
+from ._compat import tensor_version
 from .controllers import AcceptanceModel
 from .costs import CostModel
-from .modeling_block_diffusion import tensor_version
 
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "policy_card.md"
 NUM_SCALAR_FEATURES = 5  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length, temperature
