@@ -92,7 +92,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.started = False
         self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1], controller=self.controller.describe())
         drafter.last_stats = self.stats
-        self.model_kwargs_overrides = {"output_hidden_states": self._hidden_states_to_keep()}
+        # the user's own request for hidden states (returned by generate) gets them all, as with any assistant
+        wants_all = bool(generation_config.output_hidden_states)
+        self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self._hidden_states_to_keep()}
 
     # ------------------------------------------------------------------------------------ main contract
     def get_candidates(

@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from ._compat import tensor_version
 from .attention import grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
+from .controllers import check_block_size
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -212,9 +213,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
 
     @block_size.setter
     def block_size(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-            raise ValueError(f"block_size must be an int >= 2 (anchor slot + at least one draft), got {value!r}")
-        self._block_size = value
+        self._block_size = check_block_size(value, "block_size")
 
     @property
     def prompt_lookup(self) -> bool:

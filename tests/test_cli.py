@@ -117,7 +117,8 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [("--temperature", "-1", "must be >= 0"), ("--max-new-tokens", "0", "must be a positive integer"),
-     ("--device", "gpu", "not a torch device: 'gpu'")],
+     ("--device", "gpu", "not a torch device: 'gpu'"), ("--block-size", "1", "block size must be an int in 2..256"),
+     ("--block-size", "10000", "block size must be an int in 2..256")],
 )
 def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -113,10 +113,10 @@ def test_batch_size_two(target):
         _greedy(target, _prompt(batch=2), assistant_model=make_drafter(target))
 
 
-@pytest.mark.parametrize("value", [1, 0, -4, 2.5, 3.0, "4", True, None])
+@pytest.mark.parametrize("value", [1, 0, -4, 2.5, 3.0, "4", True, None, 257, 10_000])
 def test_block_size_setter_rejects(target, value):
     drafter = make_drafter(target, block_size=8)
-    with pytest.raises(ValueError, match=r"block_size must be an int >= 2"):
+    with pytest.raises(ValueError, match=r"block_size must be an int in 2\.\.256"):
         drafter.block_size = value
     assert drafter.block_size == 8  # unchanged
     drafter.block_size = 2
@@ -165,3 +165,20 @@ def test_beam_search_with_a_drafter_warns_that_the_drafter_is_unused(target):
         out = target.generate(_prompt(), assistant_model=drafter, num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, target.generate(_prompt(), num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert drafter.last_stats is None
+
+
+def test_rounds_never_draft_past_the_tokens_still_allowed(target):
+    """A wide block near max_length drafts only the room left (the reference shortens its last block too)."""
+    drafter = make_drafter(target, block_size=8)
+    prompt = _prompt()
+    for max_new in (1, 2, 4, 9):
+        common = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
+        expected = target.generate(prompt, **common)
+        out = target.generate(prompt, **common, assistant_model=drafter, draft_controller=256)
+        assert torch.equal(out, expected)
+        stats = drafter.last_stats
+        committed = 1  # the prefill's token
+        for width, drafted, accepted in zip(stats.widths_per_round[1:], stats.drafted_per_round[1:],
+                                            stats.accepted_per_round[1:]):
+            assert width - 1 <= max(max_new - committed - 1, 0), (max_new, stats.widths_per_round)
+            committed += accepted + 1

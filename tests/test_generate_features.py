@@ -213,3 +213,20 @@ def test_prompt_ending_in_eos(target, do_sample):
     assert out.shape[1] > prompt.shape[1]
     if not do_sample:
         assert torch.equal(out, expected)
+
+
+def test_user_requested_hidden_states_and_attentions_are_returned_in_full():
+    """`return_dict_in_generate` with `output_hidden_states` / `output_attentions` works as with a stock
+    assistant: every layer's states come back (the drafter's own selection must not replace the request)."""
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=3)
+    target.config._attn_implementation = "eager"
+    drafter = make_drafter(target, block_size=4)
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(3))
+    common = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    plain = target.generate(prompt, output_hidden_states=True, output_attentions=True, **common)
+    out = target.generate(prompt, assistant_model=drafter, output_hidden_states=True, output_attentions=True, **common)
+    assert torch.equal(out.sequences, plain.sequences)
+    layers = target.config.num_hidden_layers + 1
+    assert len(out.hidden_states) == out.sequences.shape[1] - prompt.shape[1]
+    assert all(len(step) == layers and all(h is not None for h in step) for step in out.hidden_states)
+    assert all(len(step) == layers - 1 for step in out.attentions)

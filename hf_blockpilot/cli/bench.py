@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_lookup_arg(p)
     add_optional_policy_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k"])
-    p.add_argument("--block-sizes", type=positive_int, nargs="+", action=SortedDistinct, default=None)
+    p.add_argument("--block-sizes", type=block_size_arg, nargs="+", action=SortedDistinct, default=None)
     p.add_argument("--temperatures", type=non_negative_float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--limit", type=positive_int, default=None)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)

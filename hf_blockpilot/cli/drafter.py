@@ -11,6 +11,7 @@ from ._common import (
     SortedDistinct,
     add_lookup_arg,
     add_model_args,
+    block_size_arg,
     device_arg,
     fraction,
     load_models,
@@ -150,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_lookup_arg(p)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", nargs="+", type=positive_int, action=SortedDistinct, default=[4, 8, 16])
+    p.add_argument("--block-sizes", nargs="+", type=block_size_arg, action=SortedDistinct, default=[4, 8, 16])
     p.add_argument("--limit", type=positive_int, default=None)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--output", default=None, help="write the reports as JSON")

@@ -9,6 +9,7 @@ from ._common import (
     SortedDistinct,
     add_lookup_arg,
     add_model_args,
+    block_size_arg,
     load_acceptance_model,
     load_models,
     non_negative_float,
@@ -221,7 +222,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", required=True,
                    help="policy Hub id or directory; 'default': the embedded one (embedded pair only)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", type=positive_int, nargs="+", action=SortedDistinct, default=None, help="default: the policy's candidates")
+    p.add_argument("--block-sizes", type=block_size_arg, nargs="+", action=SortedDistinct, default=None, help="default: the policy's candidates")
     p.add_argument("--limit", type=positive_int, default=None)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=1)
