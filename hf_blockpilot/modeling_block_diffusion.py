@@ -253,11 +253,37 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args: Any, policy: Any = None, **kwargs: Any) -> BlockDiffusionDrafter:
-        """`PreTrainedModel.from_pretrained`, plus `policy=` (Hub id, directory or object) to attach BlockPilot."""
-        drafter = super().from_pretrained(*args, **kwargs)
+        """`PreTrainedModel.from_pretrained`, plus `policy=` (Hub id, directory or object) to attach BlockPilot.
+
+        A reduced-vocabulary checkpoint must carry its `d2t` map, with ids inside the vocabulary."""
+        wants_info = kwargs.pop("output_loading_info", False)
+        drafter, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path", "the checkpoint")
+        if drafter.d2t is not None and "d2t" in info.get("missing_keys", ()):
+            raise ValueError(
+                f"{source} declares a reduced draft vocabulary (draft_vocab_size={drafter.config.draft_vocab_size}) "
+                "but its weights hold no `d2t` map (draft index -> target token id): the drafter would draft arbitrary "
+                "ids. Re-save it with its map, or drop draft_vocab_size from its config.json if it drafts over the "
+                "full vocabulary."
+            )
+        drafter._check_draft_vocabulary(str(source))
         if policy is not None:
             drafter.set_policy(policy)
-        return drafter
+        return (drafter, info) if wants_info else drafter
+
+    def _check_draft_vocabulary(self, source: str) -> None:
+        """`d2t` ids must be distinct target token ids (0 <= id < vocab_size)."""
+        if self.d2t is None:
+            return
+        ids = self.d2t.detach().cpu()
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.numel():
+            raise ValueError(
+                f"{source}: d2t maps draft tokens to ids {bad[:5].tolist()}, outside the vocabulary 0..{self.config.vocab_size - 1}"
+                ": the checkpoint's map is damaged or belongs to another vocabulary"
+            )
+        if ids.unique().numel() != ids.numel():
+            raise ValueError(f"{source}: d2t maps several draft tokens to one target id: the map is damaged")
 
     # ------------------------------------------------------------------------------------------- forward
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:

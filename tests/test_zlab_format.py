@@ -453,3 +453,26 @@ def test_auto_classes():
     assert type(model) is BlockDiffusionDrafter
     assert model.block_size == 8 and model.target_layer_ids == [1, 2]
     assert model.fc.weight.shape == (HIDDEN, 2 * HIDDEN)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [("drop", "hold no `d2t` map"), ("negative", "outside the vocabulary"), ("too_large", "outside the vocabulary"),
+     ("repeated", "several draft tokens to one target id")],
+)
+def test_a_damaged_or_missing_draft_vocabulary_map_is_a_load_error(tmp_path, target, change, message):
+    draft_vocab = list(range(0, VOCAB, 3))
+    make_drafter(target, seed=4, block_size=6, draft_vocab=draft_vocab).save_pretrained(tmp_path / "reduced")
+    path = tmp_path / "reduced" / "model.safetensors"
+    tensors = load_file(path)
+    if change == "drop":
+        del tensors["d2t"]
+    elif change == "negative":
+        tensors["d2t"][0] = -3
+    elif change == "too_large":
+        tensors["d2t"][-1] = VOCAB + 7
+    else:
+        tensors["d2t"][1] = tensors["d2t"][0]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "reduced")
