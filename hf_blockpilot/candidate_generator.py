@@ -359,6 +359,13 @@ def _get_candidate_generator(
     assistant_tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> CandidateGenerator:
     if isinstance(assistant_model, BlockDiffusionDrafter):
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            raise ValueError(
+                "block-diffusion drafting reads the target's hidden states of the whole prompt, so the prompt cannot "
+                f"come pre-cached ({cache.get_seq_length()} tokens in the cache passed to generate): pass the full "
+                "prompt without `cache` / `past_key_values`."
+            )
         return BlockDiffusionCandidateGenerator(
             drafter=assistant_model,
             target=self,

@@ -182,3 +182,23 @@ def test_rounds_never_draft_past_the_tokens_still_allowed(target):
                                             stats.accepted_per_round[1:]):
             assert width - 1 <= max(max_new - committed - 1, 0), (max_new, stats.widths_per_round)
             committed += accepted + 1
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_pre_cached_prompt_is_an_error(target, name):
+    """The drafter needs the target's hidden states of the whole prompt: a prompt passed with a filled cache
+    would decode from a partial context (and differed from plain generate), so it is refused."""
+    import inspect
+    import warnings
+
+    from transformers import DynamicCache
+
+    if name == "cache" and name not in inspect.signature(target.forward).parameters:
+        pytest.skip("this Transformers release names the cache `past_key_values` only")
+    prompt = _prompt()
+    cache = DynamicCache()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        target(prompt[:, :4], **{name: cache})
+        with pytest.raises(ValueError, match=r"cannot come pre-cached \(4 tokens"):
+            _greedy(target, prompt, assistant_model=make_drafter(target), **{name: cache})
