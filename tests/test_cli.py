@@ -175,3 +175,27 @@ def test_asking_for_cuda_without_it_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--device", "cuda"])
     assert "argument --device: cuda: this torch build or machine has no CUDA; use --device cpu" in capsys.readouterr().err
+
+
+def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
+    """Loading a policy from a directory printed "Loading weights from local directory" into stdout (and into
+    --json output); stdout is the answer and the results line, or the answer and the JSON record."""
+    from hf_blockpilot import BlockPilotPolicy
+
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    BlockPilotPolicy(candidates=[2, 4], feature_layers=[1], target_hidden_size=64, target_vocab_size=48,
+                     target_num_layers=4).save_pretrained(tmp_path / "policy")
+    args = ["generate", "abcabc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+            "--max-new-tokens", "8", "--policy", str(tmp_path / "policy"), "--no-stream"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Loading weights" not in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-2].startswith("controller: adaptive(policy") and "tau:" in lines[-2]
+    assert lines[-1].startswith("rounds (drafts verified/accepted):")
+    assert main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "Loading weights" not in captured.out and "controller: adaptive" in captured.err
+    record = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(record["verified_and_accepted_per_round"]) == record["new_tokens"] - sum(
+        a for _, a in record["verified_and_accepted_per_round"])

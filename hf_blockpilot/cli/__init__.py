@@ -21,6 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not os.environ.get("HF_BLOCKPILOT_VERBOSE"):  # quiet by default: no weight-loading bars from the libraries
+        import huggingface_hub.utils
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
     package_logger = logging.getLogger("hf_blockpilot")
     if not package_logger.handlers:  # the library's own messages (not Transformers') on stderr
         handler = logging.StreamHandler()

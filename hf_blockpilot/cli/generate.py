@@ -58,9 +58,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result["speedup"] = round(result["tokens_per_second"] / plain_tps, 3)
         if not gen["do_sample"]:
             result["identical_to_plain"] = bool(torch.equal(out, plain))
-    print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=sys.stderr)
+    # stdout: the answer, then the results (or, with --json, the JSON record alone and the results on stderr)
+    results_to = sys.stderr if args.json else sys.stdout
+    print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=results_to)
     rounds = [f"{d}/{a}" for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round) if w > 1]
-    print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=sys.stderr)
+    print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=results_to)
     if args.json:
         result["verified_and_accepted_per_round"] = [
             [d, a] for d, a in zip(stats.drafted_per_round, stats.accepted_per_round, strict=True)
