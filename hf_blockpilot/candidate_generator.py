@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
+        if self.do_sample and not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0 for sampling, got {generation_config.temperature}")
         self.target_head = target.get_output_embeddings()
         self.logits_processor = logits_processor
         self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
@@ -270,7 +273,15 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if not self.do_sample:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits[0], dim=-1)
-        return torch.multinomial(probs, num_samples=1).transpose(0, 1)
+        try:
+            return torch.multinomial(probs, num_samples=1).transpose(0, 1)
+        except RuntimeError as error:  # checked only when it fails: no host sync on the happy path
+            if bool(torch.isfinite(probs).all()):
+                raise
+            raise ValueError(
+                "the drafter's draft distribution is not finite (NaN/inf logits): its weights are damaged or it "
+                "overflowed in this dtype; reload the drafter, or run it in float32"
+            ) from error
 
     def _cut_before_stop(
         self, input_ids: torch.LongTensor, drafts: torch.LongTensor, logits: torch.Tensor

@@ -199,3 +199,27 @@ def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     record = json.loads(captured.out.strip().splitlines()[-1])
     assert len(record["verified_and_accepted_per_round"]) == record["new_tokens"] - sum(
         a for _, a in record["verified_and_accepted_per_round"])
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_a_damaged_weights_file_is_a_one_line_error(tmp_path, capsys, damage):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    weights = drafter_dir / "model.safetensors"
+    weights.write_bytes(b"" if damage == "empty" else weights.read_bytes()[:200])
+    code = main(["generate", "abc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+                 "--max-new-tokens", "4", "--no-stream"])
+    err = capsys.readouterr().err
+    assert code == 2 and "could not load the drafter" in err and "weights file is damaged" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["generate", "caf\udce9"], "the prompt is not valid UTF-8 text"),
+     (["generate", "hi", "--temperature", "inf"], "must be a finite number"),
+     (["generate", "hi", "--temperature", "nan"], "must be a finite number")],
+)
+def test_undecodable_prompts_and_infinite_temperatures_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -202,3 +202,18 @@ def test_a_pre_cached_prompt_is_an_error(target, name):
         target(prompt[:, :4], **{name: cache})
         with pytest.raises(ValueError, match=r"cannot come pre-cached \(4 tokens"):
             _greedy(target, prompt, assistant_model=make_drafter(target), **{name: cache})
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan")])
+def test_sampling_temperature_must_be_finite(target, temperature):
+    with pytest.raises(ValueError, match="temperature"):  # NaN: Transformers' own check may answer first
+        target.generate(_prompt(), do_sample=True, temperature=temperature, max_new_tokens=4, pad_token_id=0,
+                        assistant_model=make_drafter(target))
+
+
+def test_a_drafter_with_nan_weights_fails_sampling_with_a_clear_error(target):
+    drafter = make_drafter(target)
+    with torch.no_grad():
+        drafter.fc.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="draft distribution is not finite"):
+        target.generate(_prompt(), do_sample=True, max_new_tokens=8, pad_token_id=0, assistant_model=drafter)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,8 +31,19 @@ def block_size_arg(text: str) -> int:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
+def prompt_text(text: str) -> str:
+    """A prompt argument: text that encodes as UTF-8 (bytes that do not decode arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("the prompt is not valid UTF-8 text; pass it as UTF-8") from None
+    return text
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
     return value

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from ._common import (
+    prompt_text,
     CONTROLLERS,
     add_lookup_arg,
     add_model_args,
@@ -74,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this module's subcommands."""
     p = sub.add_parser("generate", help="answer a prompt with block-diffusion speculative decoding")
-    p.add_argument("prompt")
+    p.add_argument("prompt", type=prompt_text)
     add_model_args(p)
     add_lookup_arg(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256)

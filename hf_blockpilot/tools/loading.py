@@ -252,10 +252,16 @@ def checked_source(name_or_path: str | os.PathLike[str], what: str) -> str:
 @contextmanager
 def _loading(what: str, source: str) -> Iterator[None]:
     """Name what was being loaded in a loader's file or Hub error (e.g. offline and not in the cache)."""
+    from safetensors import SafetensorError
+
     try:
         yield
     except OSError as error:
         raise OSError(f"could not load the {what} {source!r}: {error}") from error
+    except SafetensorError as error:  # a truncated or empty weights file
+        raise OSError(
+            f"could not load the {what} {source!r}: its weights file is damaged ({error}); download or save it again"
+        ) from error
 
 
 def resolve_target(
