@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -166,3 +169,60 @@ def test_sources_that_cannot_name_a_model_fail_with_the_path(tmp_path: Path) -> 
 def test_a_directory_without_weights_names_what_was_loading(tmp_path: Path) -> None:
     with pytest.raises(OSError, match=f"could not load the drafter '{tmp_path}': .* has no config.json"):
         defaults.resolve_drafter(tmp_path)
+
+
+def _tiny_gguf_stand_in(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Make the conversion read a tiny random Llama and a character tokenizer instead of the GGUF file."""
+    from conftest import char_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=48, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    conversions = []
+
+    def load():
+        conversions.append(1)
+        return LlamaForCausalLM(config), char_tokenizer(48)
+
+    monkeypatch.setattr(defaults, "_load_gguf_model_and_tokenizer", load)
+    return conversions
+
+
+@pytest.mark.parametrize("damage", ["truncate weights", "delete tokenizer.json", "break config.json", "none"])
+def test_a_damaged_converted_target_is_detected_and_rebuilt(monkeypatch, tmp_path, capsys, damage):
+    conversions = _tiny_gguf_stand_in(monkeypatch)
+    ckpt = defaults.default_target_dir(tmp_path)
+    defaults.load_default_target(cache_dir=tmp_path)
+    assert conversions == [1] and defaults.checkpoint_problem(ckpt) is None
+    sizes = json.loads((ckpt / defaults.MANIFEST).read_text())["sizes"]
+    assert sizes["model.safetensors"] == (ckpt / "model.safetensors").stat().st_size
+    if damage == "truncate weights":
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "delete tokenizer.json":
+        (ckpt / "tokenizer.json").unlink()
+    elif damage == "break config.json":
+        (ckpt / "config.json").write_text("{")
+    problem = defaults.checkpoint_problem(ckpt)
+    assert (problem is None) == (damage == "none")
+    model, tokenizer = defaults.load_default_target(cache_dir=tmp_path)
+    assert len(conversions) == (1 if damage == "none" else 2)
+    assert defaults.checkpoint_problem(ckpt) is None and model.config.vocab_size == 48 and len(tokenizer) == 48
+    if damage != "none":
+        assert f"is unusable ({problem}); converting it again" in capsys.readouterr().err
+
+
+def test_conversion_removes_abandoned_temp_dirs_and_leaves_a_readable_cache(monkeypatch, tmp_path):
+    _tiny_gguf_stand_in(monkeypatch)
+    ckpt = defaults.default_target_dir(tmp_path)
+    abandoned, live = tmp_path / f".{ckpt.name}.tmp-old", tmp_path / f".{ckpt.name}.tmp-live"
+    for leftover in (abandoned, live):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"x" * 10)
+    old = time.time() - 2 * 3600
+    os.utime(abandoned, (old, old))
+    defaults.convert_default_target(ckpt)
+    assert not abandoned.exists() and live.exists()  # only an old one counts as abandoned
+    umask = os.umask(0)
+    os.umask(umask)
+    assert ckpt.stat().st_mode & 0o777 == 0o777 & ~umask

@@ -8,10 +8,12 @@ checkpoint with a plain ``from_pretrained``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,12 +108,49 @@ def default_target_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return root / CHECKPOINT_DIRNAME
 
 
+#: Written by the conversion beside the checkpoint: every file's size, checked at each load.
+MANIFEST = "hf_blockpilot_manifest.json"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_STALE_TMP_SECONDS = 3600  # a conversion's temporary directory older than this was abandoned (a killed process)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the converted checkpoint at `path` cannot be used (missing, incomplete, damaged), or None if it is fine.
+
+    Cheap enough for every load: the required files exist, the JSON files parse, and every file has the size the
+    conversion recorded (a checkpoint converted before the manifest existed is checked without sizes)."""
+    if not path.is_dir():
+        return "not converted yet"
+    missing = [name for name in _REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            json.loads((path / name).read_text())
+        except (ValueError, UnicodeDecodeError):
+            return f"{name} is not valid JSON"
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        try:
+            sizes = json.loads(manifest.read_text())["sizes"]
+        except (ValueError, KeyError, TypeError):
+            return f"{MANIFEST} is damaged"
+        wrong = [name for name, size in sizes.items() if not (path / name).is_file() or (path / name).stat().st_size != size]
+        if wrong:
+            return f"{', '.join(sorted(wrong))} changed size since the conversion (truncated?)"
+    return None
+
+
 def _is_complete_checkpoint(path: Path) -> bool:
-    return (
-        (path / "config.json").is_file()
-        and any(path.glob("*.safetensors"))
-        and (path / "tokenizer_config.json").is_file()
-    )
+    return checkpoint_problem(path) is None
+
+
+def _remove_stale_conversions(parent: Path, name: str) -> None:
+    """Temporary directories left by conversions that were killed (only old ones: a live conversion keeps its own)."""
+    now = time.time()
+    for leftover in parent.glob(f".{name}.tmp-*"):
+        if leftover.is_dir() and now - leftover.stat().st_mtime > _STALE_TMP_SECONDS:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _load_gguf_model_and_tokenizer() -> tuple[Any, Any]:
@@ -171,12 +210,18 @@ def convert_default_target(output_dir: str | os.PathLike[str] | None = None) -> 
         raise RuntimeError(f"the tokenizer read from {GGUF_FILENAME} has no chat template")
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_conversions(target.parent, target.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"sizes": sizes}, indent=2))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a shared cache must be readable by others
         if target.exists() and not _is_complete_checkpoint(target):
-            shutil.rmtree(target)  # leftover of an older, non-atomic write: replace it
+            shutil.rmtree(target)  # damaged, or left by an older non-atomic write: replace it
         try:
             os.rename(tmp, target)
         except OSError:
@@ -221,7 +266,11 @@ def load_default_target(
 
     torch_dtype = _resolve_dtype(dtype)
     path = default_target_dir(cache_dir)
-    if not _is_complete_checkpoint(path):
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        if path.exists():
+            print(f"hf_blockpilot: the cached target at {path} is unusable ({problem}); converting it again",
+                  file=sys.stderr, flush=True)
         convert_default_target(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     model.to(device)
