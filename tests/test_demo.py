@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
+import time
 
 import pytest
-from conftest import ScriptedDrafter, char_tokenizer, make_target
+from conftest import ScriptedDrafter, char_tokenizer, make_drafter, make_target
 
 from hf_blockpilot.tools.demo import compare_stream, rounds_html
 
@@ -111,3 +113,39 @@ def test_demo_in_a_real_browser(tmp_path):
     finally:
         demo.close()
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_an_abandoned_stream_stops_generation():
+    """A client that disconnects mid-stream (Gradio then stops iterating and closes the job's generator) must
+    not leave `generate` running to max_new_tokens."""
+    target, tokenizer = _pair()
+    drafter = make_drafter(target, block_size=4)
+    calls = []
+    real_generate = target.generate
+
+    def spy(*args, **kwargs):
+        out = real_generate(*args, **kwargs)
+        calls.append(out.shape[1] - kwargs["inputs"].shape[1])
+        return out
+
+    target.generate = spy
+    stream = compare_stream(target, tokenizer, drafter, "abcdef", 400)
+    next(stream)  # the plain side has started streaming
+    before = threading.active_count()
+    stream.close()  # what Gradio's cancellation amounts to
+    deadline = time.time() + 10
+    while not calls and time.time() < deadline:
+        time.sleep(0.01)
+    assert calls and calls[0] < 400, "generate ran on after the client left"
+    while threading.active_count() >= before and time.time() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() < before  # the decoding thread ended
+
+
+def test_the_demo_queue_is_bounded():
+    pytest.importorskip("gradio")
+    from hf_blockpilot.tools.demo import MAX_QUEUED, build_demo
+
+    target, tokenizer = _pair()
+    demo = build_demo(target, tokenizer, make_drafter(target, block_size=4))
+    assert demo._queue.max_size == MAX_QUEUED

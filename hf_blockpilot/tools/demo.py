@@ -12,7 +12,13 @@ import time
 from collections.abc import Iterator
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextIteratorStreamer
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from ..controllers import AdaptiveVerify, DraftController
@@ -21,6 +27,7 @@ from ..data import chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import SpeculationStats
 
+MAX_QUEUED = 8  # requests waiting beyond this are turned away (the demo decodes one at a time)
 ROUND_COLORS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fbcfe8")
 BONUS_STYLE = "text-decoration: underline; font-weight: 600"
 
@@ -71,6 +78,16 @@ def rounds_html(
     return f'<div class="blocks" style="{style}">' + "".join(parts) + "</div>"
 
 
+class StopWhenSet(StoppingCriteria):
+    """Ends `generate` at the next round once `event` is set (the client that asked went away)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 def _in_thread(fn, result: dict, **kwargs) -> threading.Thread:
     """Run `fn(**kwargs)` in a daemon thread; its return value lands in `result["output"]`."""
     thread = threading.Thread(target=lambda: result.update(output=fn(**kwargs)), daemon=True)
@@ -89,10 +106,28 @@ def compare_stream(
     """Yield (plain text, BlockPilot HTML, stats markdown, policy probabilities) as both decodes stream.
 
     Plain `generate` runs first, then BlockPilot (with `controller`, default the drafter's own settings), one
-    after the other, so neither slows the other's timing.
+    after the other, so neither slows the other's timing. When the consumer stops iterating (Gradio cancels the
+    job of a client that disconnected), the running `generate` stops at its next round instead of running on.
     """
+    cancelled = threading.Event()
+    try:
+        yield from _compare_stream(target, tokenizer, drafter, prompt, max_new_tokens, controller, cancelled)
+    finally:
+        cancelled.set()
+
+
+def _compare_stream(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: BlockDiffusionDrafter,
+    prompt: str,
+    max_new_tokens: int,
+    controller: DraftController | None,
+    cancelled: threading.Event,
+) -> Iterator[tuple[str, str, str, dict]]:
     input_ids = chat_inputs(tokenizer, prompt, target.device)
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
+               stopping_criteria=StoppingCriteriaList([StopWhenSet(cancelled)]))
     plain_text, blocks, stats_md, probs = "", "", "", {}
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
@@ -174,4 +209,4 @@ def build_demo(
         stats = gr.Markdown(elem_id="stats")
         probs = gr.Label(label="policy: probability per block size", elem_id="policy-probs")
         run_button.click(run, inputs=[prompt, max_new], outputs=[plain, fast, stats, probs], concurrency_limit=1)
-    return demo.queue(default_concurrency_limit=1)
+    return demo.queue(default_concurrency_limit=1, max_size=MAX_QUEUED)
