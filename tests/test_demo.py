@@ -149,3 +149,45 @@ def test_the_demo_queue_is_bounded():
     target, tokenizer = _pair()
     demo = build_demo(target, tokenizer, make_drafter(target, block_size=4))
     assert demo._queue.max_size == MAX_QUEUED
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_a_client_that_disconnects_mid_stream_stops_generation():
+    pytest.importorskip("gradio")
+    playwright = pytest.importorskip("playwright.sync_api")
+    from hf_blockpilot.tools.demo import build_demo
+
+    target, tokenizer = _pair()
+    slow = target.register_forward_pre_hook(lambda module, args: time.sleep(0.03))  # ~30 tokens/s
+    drafter = make_drafter(target, block_size=4)
+    finished = []
+    real_generate = target.generate
+
+    def spy(*args, **kwargs):
+        out = real_generate(*args, **kwargs)
+        finished.append(out.shape[1] - kwargs["inputs"].shape[1])
+        return out
+
+    target.generate = spy
+    port = _free_port()
+    demo = build_demo(target, tokenizer, drafter)
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/", wait_until="networkidle")
+            page.locator("#prompt textarea").fill("hello")
+            page.locator("#run").click()
+            page.wait_for_function("document.querySelector('#plain-output textarea').value.length > 3", timeout=30_000)
+            browser.close()  # the client goes away mid-stream (128 tokens would take about 4 s)
+        deadline = time.time() + 15
+        while not finished and time.time() < deadline:
+            time.sleep(0.05)
+        assert finished and finished[0] < 100, f"generate ran on after the client left: {finished}"
+        time.sleep(1.0)
+        assert len(finished) == 1, "the BlockPilot side started although the client had left"
+    finally:
+        demo.close()
+        slow.remove()
