@@ -26,7 +26,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     controllers = {}
     if not args.no_baselines:
         controllers = {k: v for k, v in baseline_controllers([], args.max_block_size).items()}
-        controllers["adaptive"] = AdaptiveVerify(args.max_block_size)
+        # calibrated by the policy's acceptance model and timed by its cost model, where it carries them
+        controllers["adaptive"] = AdaptiveVerify(
+            args.max_block_size, acceptance=getattr(policy, "acceptance_model", None),
+            cost_model=getattr(policy, "cost_model", None),
+        )
         if policy is not None:
             controllers["adaptive+policy"] = AdaptiveVerify(policy=policy)
     report = run_benchmark(
