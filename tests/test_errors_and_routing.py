@@ -180,7 +180,8 @@ def test_rounds_never_draft_past_the_tokens_still_allowed(target):
         committed = 1  # the prefill's token
         for width, drafted, accepted in zip(stats.widths_per_round[1:], stats.drafted_per_round[1:],
                                             stats.accepted_per_round[1:]):
-            assert width - 1 <= max(max_new - committed - 1, 0), (max_new, stats.widths_per_round)
+            room = max_new - committed  # tokens still allowed
+            assert width - 1 <= room and drafted <= room - 1, (max_new, stats.widths_per_round)
             committed += accepted + 1
 
 
