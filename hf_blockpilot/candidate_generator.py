@@ -232,7 +232,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         block_ids[:, 0] = input_ids[0, -1]
         start = input_ids.shape[1] - 1
         block_positions = torch.arange(start, start + width, device=self.device).unsqueeze(0)
-        block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device)).to(self.device)
+        block_embeds = self.drafter.embed_block(self.embed_tokens, block_ids).to(self.device)
         hidden = self.drafter(
             block_embeds=block_embeds,
             block_position_ids=block_positions,
@@ -243,7 +243,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.stats.drafter_forwards += 1
         # the head may sit on another device than the drafter (a target spread over devices)
         logits = skinny_linear(hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
-        logits = logits.float()
+        logits = self.drafter.finish_logits(logits.float())
         if self.drafter.d2t is None:
             return logits, logits
         full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))

@@ -13,7 +13,25 @@ from typing import Any
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 DFLASH_MODEL_TYPE = "qwen3"
+#: Fields the reference reads from `dflash_config` first, then from the top level of the config.
+_NESTED_FIELDS = ("mask_token_id", "target_layer_ids")
+_TOP_LEVEL_FIELDS = ("block_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+
+
+def _gather_dflash_fields(config_dict: dict) -> None:
+    """Put each DFlash field where this config keeps it, with the reference loader's precedence
+    (`dflash_config` over the top level): mask token and layer ids in `dflash_config`, the rest at the top."""
+    draft = dict(config_dict.get("dflash_config") or {})
+    for name in _NESTED_FIELDS:
+        top = config_dict.pop(name, None)
+        if name not in draft and top is not None:
+            draft[name] = top
+    for name in _TOP_LEVEL_FIELDS:
+        if name in draft:
+            config_dict[name] = draft.pop(name)
+    config_dict["dflash_config"] = draft
 
 
 def build_target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
@@ -43,6 +61,13 @@ class BlockDiffusionConfig(Qwen3Config):
     dflash_config (`dict`): `{"mask_token_id": int, "target_layer_ids": list[int]}` as in z-lab checkpoints.
     draft_vocab_size (`int`, optional): size of a reduced draft vocabulary (the drafter then scores only
         the `d2t` shortlist of target ids); `None` scores the target's full vocabulary.
+    input_embedding_scale (`float`): block tokens are embedded as the target's raw embedding table times this.
+    output_multiplier (`float`): draft logits are multiplied by this.
+    final_logit_softcapping (`float`, optional): draft logits are soft-capped, `c * tanh(logits / c)`.
+
+    As in the reference loader, each DFlash field may sit in `dflash_config` or at the top level
+    (`dflash_config` wins); fields the package cannot honour (causal or sliding-window draft attention,
+    DFlash 2 layers) are an error naming them.
     """
 
     model_type = "blockpilot_dflash"
@@ -51,6 +76,9 @@ class BlockDiffusionConfig(Qwen3Config):
     num_target_layers: int | None = None
     dflash_config: dict | None = None
     draft_vocab_size: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         # `model_type` is a class attribute; the z-lab layout stores "qwen3" in the file.
@@ -65,6 +93,16 @@ class BlockDiffusionConfig(Qwen3Config):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
             raise ValueError(
                 f"block_size must be an int >= 2 (one anchor slot plus drafts), got {self.block_size!r}"
+            )
+        unsupported = []
+        if getattr(self, "is_causal", None):
+            unsupported.append("is_causal=true (causal draft attention)")
+        if "sliding_attention" in (getattr(self, "layer_types", None) or []):
+            unsupported.append("layer_types with sliding_attention (sliding-window draft attention)")
+        if unsupported:
+            raise ValueError(
+                f"this drafter's config asks for {' and '.join(unsupported)}, which hf-blockpilot does not implement "
+                "yet: it would draft differently from the checkpoint's reference implementation"
             )
 
     @property
@@ -83,8 +121,14 @@ class BlockDiffusionConfig(Qwen3Config):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> tuple[dict, dict]:
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if DFLASH2_ARCHITECTURE in (config_dict.get("architectures") or []):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is a DFlash 2 drafter ({DFLASH2_ARCHITECTURE}: convolutions and a "
+                "candidate selector), which hf-blockpilot does not support yet; DFlash (v1) drafters load as they are"
+            )
         if DFLASH_ARCHITECTURE in (config_dict.get("architectures") or []):
             config_dict["model_type"] = cls.model_type
+            _gather_dflash_fields(config_dict)
         elif config_dict.get("model_type") not in (cls.model_type, None):
             raise ValueError(
                 f"{pretrained_model_name_or_path} is not a DFlash drafter checkpoint: its config has "

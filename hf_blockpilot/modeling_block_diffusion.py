@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -286,6 +287,23 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
             raise ValueError(f"{source}: d2t maps several draft tokens to one target id: the map is damaged")
 
     # ------------------------------------------------------------------------------------------- forward
+    def embed_block(self, embeddings: nn.Module, block_ids: torch.LongTensor) -> torch.Tensor:
+        """The block's input: rows of the target's raw embedding table times `input_embedding_scale`, as the
+        reference implementation embeds them (a target's own embedding module may scale, e.g. Gemma's)."""
+        weight = embeddings.weight
+        embeds = F.embedding(block_ids.to(weight.device), weight)
+        scale = self.config.input_embedding_scale
+        return embeds if scale == 1.0 else embeds * scale
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's `output_multiplier` and `final_logit_softcapping` applied to draft logits."""
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """`hidden_norm(fc(concat of target layers))`: the context fed to every draft layer."""
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))

@@ -138,3 +138,72 @@ def test_per_round_acceptance_equals_the_reference_loop(tmp_path, monkeypatch, t
         full += sum(c == block_size for c in committed)
         partial += sum(1 < c < block_size for c in committed)
     assert full >= 5 and partial >= 5, (full, partial)
+
+
+def _edit_config(directory, edit) -> None:
+    import json
+
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+FIELD_EDITS = {
+    # each field the reference reads, where the reference reads it
+    "dflash_config.block_size": lambda c: c["dflash_config"].update(block_size=5),
+    "top-level mask_token_id and target_layer_ids": lambda c: c.update(
+        mask_token_id=c["dflash_config"].pop("mask_token_id"), target_layer_ids=c["dflash_config"].pop("target_layer_ids")),
+    "input_embedding_scale": lambda c: c["dflash_config"].update(input_embedding_scale=2.5),
+    "output_multiplier": lambda c: c.update(output_multiplier=0.4),
+    "final_logit_softcapping": lambda c: c["dflash_config"].update(final_logit_softcapping=2.0),
+}
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_EDITS))
+def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, field):
+    """Each field changes the drafts the same way in both implementations: equal draft distributions (T = 1,
+    where a multiplier or softcap matters even when the argmax does not) and equal greedy rounds."""
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    target = _target("qwen3", seed=1).double()
+    reference_drafter(target, tmp_path / "d", block_size=4, seed=3, sharpen=3.0)
+    _edit_config(tmp_path / "d", FIELD_EDITS[field])
+    ref = reference.DFlashDraftModel.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
+    ours = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
+    assert ours.block_size == ref.block_size and ours.mask_token_id == ref.mask_token_id
+    assert ours.target_layer_ids == list(ref.target_layer_ids)
+    ids = torch.randint(1, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        context = torch.cat([hidden[i + 1] for i in ours.target_layer_ids], dim=-1)
+        block = torch.full((1, ours.block_size), ours.mask_token_id)
+        block[0, 0] = ids[0, -1]
+        positions = torch.arange(12 + ours.block_size)[None]
+        scale = float(reference._draft_value(ref.config, "input_embedding_scale", 1.0))
+        expected = ref.compute_logits(ref(target_hidden=context, noise_embedding=reference._raw_input_embeddings(
+            target, block, scale), position_ids=positions)[:, 1:], target.lm_head)
+        got = ours.finish_logits(target.lm_head(ours(
+            block_embeds=ours.embed_block(target.get_input_embeddings(), block), block_position_ids=positions[:, 12:],
+            target_hidden=context, context_position_ids=positions[:, :12]).last_hidden_state[:, 1:]))
+    torch.testing.assert_close(got.softmax(-1), expected.softmax(-1))
+    for seed in range(4):
+        prompt = torch.randint(1, VOCAB - 1, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
+        expected_run = reference.dflash_generate(ref, target, prompt, 24, stop_token_ids=None, return_stats=True)
+        got_run = greedy_generate(target, prompt, 24, None, assistant_model=ours)
+        assert torch.equal(got_run, expected_run.output_ids)
+        assert [a + 1 for a in ours.last_stats.accepted_per_round[1:]] == expected_run.acceptance_lengths
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [(lambda c: c.update(is_causal=True), "is_causal=true"),
+     (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=4),
+      "sliding_attention"),
+     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash 2")],
+)
+def test_fields_the_package_cannot_honour_are_errors(tmp_path, edit, message):
+    target = _target("qwen3", seed=0)
+    reference_drafter(target, tmp_path / "d")
+    _edit_config(tmp_path / "d", edit)
+    with pytest.raises(ValueError, match=message):
+        BlockDiffusionDrafter.from_pretrained(tmp_path / "d")

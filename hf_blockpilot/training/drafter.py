@@ -283,7 +283,7 @@ class DrafterTrainer:
         device = self.drafter.device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = self.drafter(
-                block_embeds=self.embed(block_ids.to(device)).detach(),
+                block_embeds=self.drafter.embed_block(self.embed, block_ids).to(device).detach(),
                 block_position_ids=positions.to(device),
                 target_hidden=hidden.to(device),
                 context_position_ids=torch.arange(width, device=device).expand(len(batch), -1),
@@ -291,7 +291,7 @@ class DrafterTrainer:
             ).last_hidden_state
             slots = out.view(len(batch), n, b, -1)[:, :, 1:]
             logits = F.linear(slots, self.head_weight.to(slots.dtype), self.head_bias)
-        logits = logits.float()
+        logits = self.drafter.finish_logits(logits.float())
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), draft_labels.reshape(-1).to(device), reduction="none")
         weights = self.weights.to(device) * valid.to(device)
         loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
