@@ -30,7 +30,9 @@ def drafter_model_card(
         tags=["speculative-decoding", "dflash", "block-diffusion"],
     )
     draft_vocab = (
-        f"{drafter.d2t.numel()} target ids (`d2t` map; -inf elsewhere)" if drafter.d2t is not None else "the target's full vocabulary"
+        f"{drafter.d2t.numel()} target ids (`d2t` map; -inf elsewhere). The DFlash reference loader (`dflash` "
+        "package) drops `d2t` and drafts over the full vocabulary: there this is a different drafter; load it "
+        "with hf-blockpilot" if drafter.d2t is not None else "the target's full vocabulary"
     )
     return ModelCard.from_template(
         card_data,
