@@ -126,3 +126,32 @@ def test_a_policy_trained_on_prompt_lookup_labels_records_it(tmp_path):
     card = (out / "README.md").read_text()
     assert "| prompt lookup | on (labels collected with `--prompt-lookup`" in card
     assert "drafter.prompt_lookup = True" in card
+
+
+def test_composed_labels_under_the_adaptive_controller(tmp_path):
+    """collect records rounds and modeled times; train-policy fits the acceptance model into the policy; a second
+    collect labels the drafting width *with* AdaptiveVerify (that model) cutting each round."""
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
+    common = ["--dataset", "stdlib", "--num-prompts", "6", "--candidates", "1", "3", "6", "--feature-layers", "1", "3",
+              "--max-new-tokens", "16", "--temperatures", "0", "1"]
+    assert main(["collect", *models, "--output-dir", str(tmp_path / "fixed"), *common]) == 0
+    fixed = read_oracle_labels(tmp_path / "fixed")
+    assert all(r.controller == "fixed" and set(r.ms) == {1, 3, 6} and r.slot_rows for r in fixed)
+    assert main(["train-policy", *models, "--labels", str(tmp_path / "fixed"), "--output", str(tmp_path / "p1")]) == 0
+    first = BlockPilotPolicy.from_pretrained(tmp_path / "p1")
+    assert first.acceptance_model is not None and first.cost_model is not None
+    assert (tmp_path / "p1" / "acceptance_model.json").is_file()
+    assert "calibrated acceptance" in (tmp_path / "p1" / "README.md").read_text()
+
+    # --adaptive needs the cost model: a one-line error before any model loads
+    assert main(["collect", *models, "--output-dir", str(tmp_path / "x"), *common, "--adaptive", "--no-cost-model"]) == 2
+    assert main(["collect", *models, "--output-dir", str(tmp_path / "adaptive"), *common, "--adaptive",
+                 "--acceptance-model", str(tmp_path / "p1")]) == 0
+    manifest = json.loads((tmp_path / "adaptive" / "manifest.json").read_text())
+    assert manifest["controller"] == "adaptive" and manifest["acceptance_model"] == first.acceptance_model.to_dict()
+    composed = read_oracle_labels(tmp_path / "adaptive")
+    assert all(r.controller == "adaptive" and set(r.ms) == {1, 3, 6} for r in composed)
+    assert main(["train-policy", *models, "--labels", str(tmp_path / "adaptive"), "--output", str(tmp_path / "p2"),
+                 "--acceptance-model", str(tmp_path / "p1" / "acceptance_model.json")]) == 0
+    assert BlockPilotPolicy.from_pretrained(tmp_path / "p2").acceptance_model == first.acceptance_model
