@@ -115,20 +115,26 @@ def test_demo_in_a_real_browser(tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
+def _count_new_tokens_of_each_generate(target) -> list[int]:
+    """A list that gets the number of new tokens of each `target.generate` call as it returns."""
+    counts: list[int] = []
+    real_generate = target.generate
+
+    def spy(*args, **kwargs):
+        out = real_generate(*args, **kwargs)
+        counts.append(out.shape[1] - kwargs["inputs"].shape[1])
+        return out
+
+    target.generate = spy
+    return counts
+
+
 def test_an_abandoned_stream_stops_generation():
     """A client that disconnects mid-stream (Gradio then stops iterating and closes the job's generator) must
     not leave `generate` running to max_new_tokens."""
     target, tokenizer = _pair()
     drafter = make_drafter(target, block_size=4)
-    calls = []
-    real_generate = target.generate
-
-    def spy(*args, **kwargs):
-        out = real_generate(*args, **kwargs)
-        calls.append(out.shape[1] - kwargs["inputs"].shape[1])
-        return out
-
-    target.generate = spy
+    calls = _count_new_tokens_of_each_generate(target)
     stream = compare_stream(target, tokenizer, drafter, "abcdef", 400)
     next(stream)  # the plain side has started streaming
     before = threading.active_count()
@@ -161,15 +167,7 @@ def test_a_client_that_disconnects_mid_stream_stops_generation():
     target, tokenizer = _pair()
     slow = target.register_forward_pre_hook(lambda module, args: time.sleep(0.03))  # ~30 tokens/s
     drafter = make_drafter(target, block_size=4)
-    finished = []
-    real_generate = target.generate
-
-    def spy(*args, **kwargs):
-        out = real_generate(*args, **kwargs)
-        finished.append(out.shape[1] - kwargs["inputs"].shape[1])
-        return out
-
-    target.generate = spy
+    finished = _count_new_tokens_of_each_generate(target)
     port = _free_port()
     demo = build_demo(target, tokenizer, drafter)
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
