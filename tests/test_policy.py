@@ -300,6 +300,7 @@ def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(tar
     """Where Transformers keeps a selection at its positions (5.23), the loop asks for just those states, and
     the drafter's context and the policy's features are the same as from the full tuple."""
     from hf_blockpilot import candidate_generator
+    from hf_blockpilot._compat import SELECTION_KEEPS_POSITIONS
 
     drafter = make_drafter(target, block_size=4)
     drafter.set_policy(make_policy(target, drafter))
@@ -308,7 +309,7 @@ def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(tar
         drafter=drafter, target=target, input_ids=ids, generation_config=target.generation_config
     )
     keep = generator.model_kwargs_overrides["output_hidden_states"]
-    if not candidate_generator._SELECTION_KEEPS_POSITIONS:
+    if not SELECTION_KEEPS_POSITIONS:
         assert keep is True
         return
     assert keep == sorted({i + 1 for i in drafter.target_layer_ids} | {2, 4} | {-1})  # policy layers 1, 3 + final
