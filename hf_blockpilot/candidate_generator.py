@@ -197,13 +197,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         """
         if not SELECTION_KEEPS_POSITIONS:
             return True
-        keep = {i + 1 for i in self.drafter.target_layer_ids}
-        controller_layers = self.controller.hidden_state_layers()
-        if controller_layers is None:  # a policy of another kind may read any of them
+        controller_states = self.controller.prefill_state_indices()
+        if controller_states is None:  # a policy of another kind may read any of them
             return True
-        if controller_layers:  # a policy's features: some layers and the final (normed) state
-            keep |= {i + 1 for i in controller_layers} | {-1}
-        return sorted(keep)
+        return sorted({i + 1 for i in self.drafter.target_layer_ids} | controller_states)
 
     def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Target hidden states (at the drafter's layers) and positions of tokens verified since last round."""

@@ -41,6 +41,14 @@ class BlockSizePolicy(Protocol):
     def check_compatible(self, target: nn.Module, drafter: nn.Module | None = None) -> None: ...
 
 
+def policy_state_indices(policy: BlockSizePolicy) -> set[int] | None:
+    """The prefill `hidden_states` entries a policy reads: those of its `feature_layers` (layer id i is entry
+    i + 1) and the final, normed state (-1) its next-token distribution comes from; `None` (all) if it does not
+    say which layers."""
+    layers = getattr(policy, "feature_layers", None)
+    return None if layers is None else {i + 1 for i in layers} | {-1}
+
+
 @dataclass
 class DraftedRound:
     """What a controller sees of a round before anything is verified.
@@ -93,8 +101,8 @@ class DraftController:
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
         """Error early if this controller cannot serve `target` + `drafter`."""
 
-    def hidden_state_layers(self) -> set[int] | None:
-        """Target layer ids whose prefill states `start` reads (`None`: it may read any)."""
+    def prefill_state_indices(self) -> set[int] | None:
+        """The prefill `hidden_states` entries `start` reads (`None`: it may read any)."""
         return set()
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
@@ -133,9 +141,8 @@ class PolicyBlockSize(DraftController):
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
         self.policy.check_compatible(target, drafter)
 
-    def hidden_state_layers(self) -> set[int] | None:
-        layers = getattr(self.policy, "feature_layers", None)
-        return None if layers is None else set(layers)
+    def prefill_state_indices(self) -> set[int] | None:
+        return policy_state_indices(self.policy)
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         begin = time.perf_counter()
@@ -332,11 +339,8 @@ class AdaptiveVerify(DraftController):
         if self.cost_model is None:
             self.cost_model = CostModel.default_for(next(target.parameters()).device)
 
-    def hidden_state_layers(self) -> set[int] | None:
-        if self.policy is None:
-            return set()
-        layers = getattr(self.policy, "feature_layers", None)
-        return None if layers is None else set(layers)
+    def prefill_state_indices(self) -> set[int] | None:
+        return set() if self.policy is None else policy_state_indices(self.policy)
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         self.temperature = temperature

@@ -97,6 +97,36 @@ def prefill_features(outputs: Any, feature_layers: list[int], lm_head: nn.Module
     return torch.cat(parts + [stats]).unsqueeze(0)
 
 
+def last_token_logits(outputs: Any, lm_head: nn.Module) -> torch.Tensor:
+    """(1, V) the target's raw next-token logits after the prompt, recomputed from the final hidden state (see
+    `prefill_features` for why not `outputs.logits`): the input of an architecture `"last-logits-mlp"` policy."""
+    last = outputs.hidden_states[-1][:, -1]
+    return lm_head(last.to(lm_head.weight.dtype)).float()
+
+
+class LastLogitsMLP(nn.Module):
+    """The BlockPilot authors' predictor (AMAP-ML/BlockPilot `utils/predict.py`), with their parameter names:
+    `layers.0` vocab -> width, `layers.1..` width -> width with a residual, ReLU after each, `fc_out` -> classes."""
+
+    def __init__(self, vocab_size: int, width: int, depth: int, num_classes: int, dropout: float):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [nn.Linear(vocab_size, width)] + [nn.Linear(width, width) for _ in range(depth - 1)]
+        )
+        self.dropout = nn.Dropout(dropout)
+        self.fc_out = nn.Linear(width, num_classes)
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits
+        for i, layer in enumerate(self.layers):
+            y = self.dropout(torch.relu(layer(x)))
+            x = y + x if i > 0 else y
+        return self.fc_out(x)
+
+
+ARCHITECTURES = ("prefill-mlp", "last-logits-mlp")
+
+
 class BlockPilotPolicy(
     nn.Module,
     PyTorchModelHubMixin,
@@ -107,6 +137,10 @@ class BlockPilotPolicy(
 
     The config records the candidates, the feature spec, the widths, and the identity of the target and
     drafter it was trained for, so attaching it elsewhere fails or warns clearly.
+
+    `architecture`: `"prefill-mlp"` (ours: `prefill_features` of `feature_layers`, a `width`-wide MLP) or
+    `"last-logits-mlp"` (the BlockPilot authors' predictor over the target's last-token logits, `depth` layers
+    of `width`; `hf-blockpilot import-policy` converts their checkpoints). `dtype`: of the parameters.
     """
 
     def __init__(
@@ -127,8 +161,15 @@ class BlockPilotPolicy(
         prompt_lookup: bool = False,
         acceptance_model: dict | None = None,
         cost_model: dict | None = None,
+        architecture: str = "prefill-mlp",
+        depth: int = 1,
+        dtype: str = "float32",
     ):
         super().__init__()
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
             raise ValueError(f"candidates must be block sizes >= 1 (1 = speculation off), got {candidates}")
         if objective not in ("throughput", "acceptance"):
@@ -142,15 +183,21 @@ class BlockPilotPolicy(
         self.target_name = target_name
         self.drafter_name = drafter_name
         self.drafter_fingerprint = drafter_fingerprint
-        feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_SCALAR_FEATURES
-        # LayerNorm over the hidden-state features only: the O(1) scalars (the temperature among them) would
-        # vanish next to the hidden states' outlier dimensions; they join the network as they are.
-        self.input_norm = nn.LayerNorm(feature_dim - NUM_SCALAR_FEATURES)
-        self.net = nn.Sequential(
-            nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
-        )
-        # a linear path from the scalars to the choice: the temperature's effect is easy to learn from few prompts
-        self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
+        self.architecture = architecture
+        if architecture == "last-logits-mlp":
+            if feature_layers:
+                raise ValueError("a last-logits-mlp policy reads only the last-token logits: give no feature_layers")
+            self.logits_mlp = LastLogitsMLP(target_vocab_size, width, depth, len(candidates), dropout)
+        else:
+            feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_SCALAR_FEATURES
+            # LayerNorm over the hidden-state features only: the O(1) scalars (the temperature among them) would
+            # vanish next to the hidden states' outlier dimensions; they join the network as they are.
+            self.input_norm = nn.LayerNorm(feature_dim - NUM_SCALAR_FEATURES)
+            self.net = nn.Sequential(
+                nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
+            )
+            # a linear path from the scalars to the choice: the temperature's effect is easy to learn from few prompts
+            self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
 
         self.training_loss = training_loss
         self.prompt_lookup = prompt_lookup  # labels collected with the drafter's prompt lookup on
@@ -158,6 +205,7 @@ class BlockPilotPolicy(
         # what an AdaptiveVerify under this policy cuts each round with, unless given its own
         self.acceptance_model = AcceptanceModel.from_dict(acceptance_model) if acceptance_model else None
         self.cost_model = CostModel.from_dict(cost_model) if cost_model else None
+        self.to(getattr(torch, dtype))  # before loading, so a bf16 checkpoint stays bf16 in memory
 
     def attach_verify_model(self, acceptance: AcceptanceModel | None, cost: CostModel | None) -> None:
         """Store the per-round controller's acceptance model and cost model in this policy (and its config,
@@ -173,6 +221,7 @@ class BlockPilotPolicy(
             card_data,
             template_path=str(CARD_TEMPLATE),
             candidates=self.candidates,
+            architecture=self.architecture,
             feature_layers=self.feature_layers,
             target_name=self.target_name,
             target_hidden_size=self.target_hidden_size,
@@ -189,8 +238,16 @@ class BlockPilotPolicy(
             cost_model=self.cost_model,
         )
 
+    def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
+        """(1, D) this policy's input for one request (its architecture's features of the prefill)."""
+        if self.architecture == "last-logits-mlp":
+            return last_token_logits(prefill_outputs, lm_head)
+        return prefill_features(prefill_outputs, self.feature_layers, lm_head, temperature)
+
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over `candidates` for (batch, D) features."""
+        if self.architecture == "last-logits-mlp":
+            return self.logits_mlp(features.to(self.logits_mlp.fc_out.weight.dtype))
         features = features.to(self.input_norm.weight.dtype)
         hidden, scalars = features[:, :-NUM_SCALAR_FEATURES], features[:, -NUM_SCALAR_FEATURES:]
         return self.net(torch.cat([self.input_norm(hidden), scalars], dim=-1)) + self.scalar_head(scalars)
@@ -203,8 +260,7 @@ class BlockPilotPolicy(
 
         `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy.
         """
-        features = prefill_features(prefill_outputs, self.feature_layers, lm_head, temperature)
-        features = features.to(self.input_norm.weight.device)
+        features = self.features(prefill_outputs, lm_head, temperature).to(next(self.parameters()).device)
         probs = torch.softmax(self(features)[0].float(), dim=-1).cpu()  # one small sync per request
         if not torch.isfinite(probs).all():
             raise ValueError(
@@ -219,9 +275,10 @@ class BlockPilotPolicy(
         with prompt lookup set otherwise than on `drafter`, or with round latencies of another kind of device."""
         text_config = target.config.get_text_config()
         problems = []
-        if text_config.hidden_size != self.target_hidden_size:
+        reads_states = self.architecture == "prefill-mlp"  # the other reads only the logits
+        if reads_states and text_config.hidden_size != self.target_hidden_size:
             problems.append(f"hidden size {text_config.hidden_size} != {self.target_hidden_size}")
-        if text_config.num_hidden_layers != self.target_num_layers:
+        if reads_states and text_config.num_hidden_layers != self.target_num_layers:
             problems.append(f"{text_config.num_hidden_layers} layers != {self.target_num_layers}")
         if target.get_input_embeddings().weight.shape[0] != self.target_vocab_size:
             problems.append(f"vocab {target.get_input_embeddings().weight.shape[0]} != {self.target_vocab_size}")

@@ -157,6 +157,26 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
             json.dump(output, f, indent=2)
     return 0
 
+def cmd_import_policy(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..tools.policy_import import import_authors_policy
+
+    if len(set(args.candidates)) != len(args.candidates):
+        raise ValueError(f"--candidates {args.candidates}: one distinct block size per output class, in class order")
+    if not Path(args.checkpoint).is_file():  # before the models load
+        raise FileNotFoundError(f"no predictor checkpoint at {args.checkpoint}: pass the authors' model.pt")
+    target, _, drafter = load_models(args)
+    policy = import_authors_policy(
+        args.checkpoint, target, drafter, args.candidates,
+        target_name=args.target or target.name_or_path, drafter_name=args.drafter or drafter.name_or_path,
+    )
+    policy.save_pretrained(args.output)
+    policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
+    print(f"policy over block sizes {policy.candidates} ({sum(p.numel() for p in policy.parameters())} parameters, "
+          f"{args.checkpoint} -> {args.output}); use it with --policy {args.output}")
+    return 0
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this module's subcommands (training defaults come from `PolicyTrainingConfig`)."""
@@ -228,3 +248,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument("--output", default=None)
     p.set_defaults(func=cmd_evaluate_policy)
+
+    p = sub.add_parser("import-policy", help="convert the BlockPilot authors' predictor (model.pt) into a policy checkpoint")
+    add_model_args(p)
+    p.add_argument("checkpoint", help="the authors' MLP state dict (AMAP-ML/BlockPilot utils/model.pt layout)")
+    p.add_argument("--output", required=True, help="directory for the policy checkpoint (Hub format)")
+    p.add_argument("--candidates", type=positive_int, nargs="+", default=[14, 15, 16, 17, 18],
+                   help="the block size of each output class, in class order (theirs: 14..18)")
+    p.set_defaults(func=cmd_import_policy)

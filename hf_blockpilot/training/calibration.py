@@ -49,8 +49,8 @@ class RoundRecorder(DraftController):
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
         self.inner.check_compatible(target, drafter)
 
-    def hidden_state_layers(self) -> set[int] | None:
-        return self.inner.hidden_state_layers()
+    def prefill_state_indices(self) -> set[int] | None:
+        return self.inner.prefill_state_indices()
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         self.inner.start(prefill_outputs, lm_head, temperature)

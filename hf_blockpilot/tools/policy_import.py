@@ -1,0 +1,100 @@
+"""Convert the BlockPilot authors' predictor checkpoint (AMAP-ML/BlockPilot `utils/model.pt`) into our Hub policy.
+
+Their layout: a raw (usually bf16) state dict saved with `torch.save`, `layers.0.{weight,bias}` (vocab -> width),
+`layers.1..{weight,bias}` (width -> width, residual), `fc_out.{weight,bias}` (width -> one class per candidate
+block size, 14..18 in their release), read over the target's last-token prefill logits.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..policy import BlockPilotPolicy, drafter_fingerprint
+
+AUTHORS_CANDIDATES = (14, 15, 16, 17, 18)  # `k = pred + 14` in their predict.py
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(weight|bias)")
+
+
+def _read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no predictor checkpoint at {path}: pass the authors' model.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: never runs pickled code
+    except Exception as err:
+        raise ValueError(f"{path} is not a readable torch state dict ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors (the authors' MLP layout)")
+    return state
+
+
+def _checked_depth(state: dict[str, torch.Tensor], path: str | Path) -> int:
+    layers = sorted({int(m.group(1)) for key in state if (m := _LAYER_KEY.fullmatch(key))})
+    expected = {f"layers.{i}.{p}" for i in range(len(layers)) for p in ("weight", "bias")}
+    expected |= {"fc_out.weight", "fc_out.bias"}
+    if not layers or layers != list(range(len(layers))) or set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(
+            f"{path} is not in the BlockPilot predictor layout (layers.0..N.{{weight,bias}}, fc_out.{{weight,bias}}): "
+            f"missing {missing or 'none'}, unexpected {extra or 'none'}"
+        )
+    return len(layers)
+
+
+def import_authors_policy(
+    path: str | Path,
+    target: nn.Module,
+    drafter: nn.Module | None = None,
+    candidates: Sequence[int] = AUTHORS_CANDIDATES,
+    target_name: str = "",
+    drafter_name: str = "",
+) -> BlockPilotPolicy:
+    """A `BlockPilotPolicy` (architecture `"last-logits-mlp"`) with the weights of the authors' `model.pt`.
+
+    `target`: the model whose last-token logits it reads (its vocabulary must be the predictor's input width);
+    `candidates`: the block size of each output class, in order; `drafter` (optional): recorded by fingerprint,
+    so attaching the policy to another drafter warns. The checkpoint's dtype is kept (bf16 in their release).
+    """
+    state = _read_state_dict(path)
+    depth = _checked_depth(state, path)
+    width, vocab = state["layers.0.weight"].shape
+    target_vocab = target.get_output_embeddings().weight.shape[0]
+    if vocab != target_vocab:
+        raise ValueError(
+            f"{path} reads {vocab} logits, but the target's vocabulary has {target_vocab}: it was trained for another "
+            "target; pass the target it was trained with"
+        )
+    num_classes = state["fc_out.weight"].shape[0]
+    if len(candidates) != num_classes:
+        raise ValueError(
+            f"{path} has {num_classes} output classes, but {len(candidates)} candidate block sizes were given "
+            f"({list(candidates)}); pass one block size per class, in class order"
+        )
+    dtype = state["fc_out.weight"].dtype
+    text_config = target.config.get_text_config()
+    policy = BlockPilotPolicy(
+        candidates=list(candidates),
+        feature_layers=[],
+        target_hidden_size=text_config.hidden_size,
+        target_vocab_size=target_vocab,
+        target_num_layers=text_config.num_hidden_layers,
+        width=width,
+        depth=depth,
+        dropout=0.2,  # theirs; inactive in eval mode
+        target_name=target_name,
+        drafter_name=drafter_name,
+        drafter_fingerprint=drafter_fingerprint(drafter) if drafter is not None else "",
+        training_loss="imported from the BlockPilot authors' predictor (cross-entropy to the best block size)",
+        architecture="last-logits-mlp",
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    try:
+        policy.logits_mlp.load_state_dict(state)
+    except RuntimeError as err:  # e.g. a hidden layer that is not width x width
+        raise ValueError(f"{path}: a tensor's shape does not fit the predictor layout: {err}") from None
+    return policy.eval()
