@@ -58,28 +58,42 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, len(cells) - 1
 
 
-def _warp(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
-    """Temperature then top-k, as generate() orders its warpers; returns probabilities."""
+def _warp(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None = None, min_p: float | None = None
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p, as generate() orders its warpers (each keeps at least the most
+    likely token); returns probabilities."""
     logits = logits.double() / temperature
     if top_k is not None:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None:  # drop the least likely tokens whose total probability is at most 1 - top_p
+        ascending, order = logits.sort(dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    if min_p is not None:  # drop tokens less likely than min_p times the most likely one
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
     return logits.softmax(-1)
 
 
 @torch.no_grad()
-def exact_joint(target, prompt: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+def exact_joint(
+    target, prompt: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None = None,
+    min_p: float | None = None,
+) -> torch.Tensor:
     """P(first NUM_TOKENS tokens = c) for every continuation c, index sum(c_i * VOCAB**(n-1-i))."""
     conts = torch.tensor(list(itertools.product(range(VOCAB), repeat=NUM_TOKENS)))
     seqs = torch.cat([prompt.expand(conts.shape[0], -1), conts], dim=1)
     logits = target(seqs).logits[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + NUM_TOKENS]
-    probs = _warp(logits, temperature, top_k)  # (cells, NUM_TOKENS, VOCAB)
+    probs = _warp(logits, temperature, top_k, top_p, min_p)  # (cells, NUM_TOKENS, VOCAB)
     joint = probs.gather(-1, conts.unsqueeze(-1)).squeeze(-1).prod(-1)
     assert torch.allclose(joint.sum(), torch.tensor(1.0, dtype=joint.dtype))
     return joint
 
 
-def draw(target, drafter, n: int, temperature: float, top_k: int | None, **kwargs):
+def draw(target, drafter, n: int, temperature: float, top_k: int | None, top_p: float | None = None, **kwargs):
     """`n` assisted samples: counts per cell, plus drafted/accepted/prompt-lookup-round totals over all runs."""
     counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.long)
     drafted = accepted = lookups = 0
@@ -94,7 +108,7 @@ def draw(target, drafter, n: int, temperature: float, top_k: int | None, **kwarg
             max_new_tokens=MAX_NEW_TOKENS,
             temperature=temperature,
             top_k=top_k,
-            top_p=None,
+            top_p=top_p,
             eos_token_id=None,
             pad_token_id=0,
             **kwargs,
@@ -138,6 +152,8 @@ CONFIGS = {
     "t1_no_processors": dict(temperature=1.0, top_k=None),
     # temperature + top-k: drafts drawn position by position from processed logits
     "t07_topk3": dict(temperature=0.7, top_k=3),
+    # the nucleus and min-p warpers after the temperature: cut tokens differ per position
+    "t09_topp_minp": dict(temperature=0.9, top_k=None, top_p=0.9, min_p=0.08),
 }
 
 
@@ -150,10 +166,12 @@ def test_sampling_matches_exact_distribution(target, built_generators, config):
 
     generator = built_generators[-1]
     assert isinstance(generator, candidate_generator_module.BlockDiffusionCandidateGenerator)
-    if kwargs["top_k"] is None:
+    if kwargs == CONFIGS["t1_no_processors"]:
         assert len(generator.logits_processor) == 0, generator.logits_processor
     else:
         assert len(generator.logits_processor) >= 2, generator.logits_processor
+        joint = exact_joint(target, PROMPT, **kwargs)
+        assert (joint == 0).sum() > (exact_joint(target, PROMPT, temperature=kwargs["temperature"], top_k=None) == 0).sum()
 
     assert accepted > 0.1 * NUM_SAMPLES, "drafts were (almost) never accepted: the test would be vacuous"
     assert accepted < drafted, "drafts were never rejected: the residual resampling is not exercised"
