@@ -50,3 +50,35 @@ def test_bench_with_prompt_lookup_records_it(tmp_path):
     assert set(report["runs"][0]["summary"]) == {"plain", "b=4", "oracle"}  # --no-baselines
     assert all(r["identical_to_plain"] for r in report["runs"][0]["results"])
     assert "Prompt lookup on" in (out / "results.md").read_text()
+
+
+def test_bench_times_the_reference_loop_beside_ours(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("dflash.model", reason="the reference package: pip install --no-deps dflash==0.1.0")
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    out = tmp_path / "bench"
+    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+                 "--datasets", "humaneval", "--limit", "2", "--block-sizes", "2", "4", "--temperatures", "0",
+                 "--max-new-tokens", "8", "--repeats", "1", "--no-baselines", "--prompt-lookup", "--reference",
+                 "--output-dir", str(out)])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    (run,) = report["reference"]
+    assert {(r["block_size"], r["method"]) for r in run["summary"]} == {
+        (b, side) for b in (2, 4) for side in ("hf-blockpilot", "dflash-reference")}
+    assert len(run["results"]) == 2 * 2 * 2 and all(r["identical_to_plain"] for r in run["results"])
+    assert "ours vs the reference loop" in (out / "results.md").read_text()
+    assert "| 2 | dflash-reference |" in capsys.readouterr().out
+
+
+def test_bench_reference_without_the_package_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    import sys
+
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    monkeypatch.setitem(sys.modules, "dflash.model", None)  # as if not installed
+    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+                 "--datasets", "humaneval", "--limit", "1", "--block-sizes", "2", "--reference",
+                 "--output-dir", str(tmp_path / "bench")])
+    assert code == 2 and "pip install --no-deps dflash==0.1.0" in capsys.readouterr().err
+    assert not (tmp_path / "bench" / "results.json").exists()  # failed before decoding anything

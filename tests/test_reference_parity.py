@@ -207,3 +207,52 @@ def test_fields_the_package_cannot_honour_are_errors(tmp_path, edit, message):
     _edit_config(tmp_path / "d", edit)
     with pytest.raises(ValueError, match=message):
         BlockDiffusionDrafter.from_pretrained(tmp_path / "d")
+
+
+def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint):
+    """`bench --reference`: ours through `generate` and `dflash_generate`, same weights and b; both lossless,
+    round for round the same (equal τ), each with a per-round drafter / target / loop breakdown."""
+    from conftest import char_tokenizer
+
+    from hf_blockpilot.data import PromptRecord
+    from hf_blockpilot.tools.reference_peer import compare_with_reference, peer_markdown, summarize_peers
+
+    target, directory = trained_checkpoint
+    drafter = BlockDiffusionDrafter.from_pretrained(directory).eval()
+    tokenizer = char_tokenizer(VOCAB)
+    tokenizer.chat_template = None
+    prompts = [PromptRecord(f"p{i}", "tiny", text) for i, text in enumerate(["abcab", "fedcbafe", "ghij"])]
+    runs = compare_with_reference(target, tokenizer, drafter, prompts, [2, 4], max_new_tokens=20, repeats=2)
+    assert len(runs) == 3 * 2 * 2
+    for prompt in prompts:
+        for b in (2, 4):
+            ours, theirs = (next(r for r in runs if (r.prompt_id, r.block_size, r.method) == (prompt.id, b, side))
+                            for side in ("hf-blockpilot", "dflash-reference"))
+            assert ours.identical_to_plain and theirs.identical_to_plain
+            assert ours.new_tokens == theirs.new_tokens == 20
+            assert ours.target_forwards == theirs.target_forwards  # the same rounds
+            assert ours.drafter_seconds > 0 and theirs.drafter_seconds > 0
+            assert 0 < ours.target_seconds < ours.seconds
+    rows = summarize_peers(runs)
+    assert {(r["block_size"], r["method"]) for r in rows} == {(b, s) for b in (2, 4) for s in ("hf-blockpilot", "dflash-reference")}
+    for b in (2, 4):
+        ours, theirs = (r for r in rows if r["block_size"] == b)
+        assert ours["tau"] == theirs["tau"] > 1.0 and ours["mismatches"] == theirs["mismatches"] == 0
+        assert ours["ours_over_reference"] == pytest.approx(ours["tokens_per_second"] / theirs["tokens_per_second"])
+    assert "| 4 | dflash-reference |" in peer_markdown(rows)
+
+
+def test_the_speed_comparison_drafts_with_the_full_vocabulary_the_reference_loads():
+    from hf_blockpilot.tools.reference_peer import full_vocabulary_variant, load_reference_drafter
+
+    target = _target("qwen3", seed=0)
+    reduced = BlockDiffusionDrafter.from_target(target, block_size=4, draft_vocab=list(range(2, 12)))
+    with pytest.raises(ValueError, match="full_vocabulary_variant"):
+        load_reference_drafter(reduced)
+    variant = full_vocabulary_variant(reduced)
+    assert variant.d2t is None and variant.config.draft_vocab_size is None
+    for name, tensor in variant.state_dict().items():
+        assert torch.equal(tensor, reduced.state_dict()[name])
+    reference_model = load_reference_drafter(variant)
+    for name, tensor in reference_model.state_dict().items():
+        assert torch.equal(tensor, variant.state_dict()[name]), name

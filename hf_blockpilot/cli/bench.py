@@ -35,12 +35,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             controllers["adaptive+policy"] = AdaptiveVerify(policy=policy)
     report = run_benchmark(
         target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
-        args.max_new_tokens, args.repeats, args.output_dir, controllers,
+        args.max_new_tokens, args.repeats, args.output_dir, controllers, args.reference,
     )
     from ..tools.bench import markdown_report
 
     print(markdown_report(report))
     mismatches = sum(row["mismatches"] for run in report["runs"] if run["temperature"] == 0 for row in run["summary"].values())
+    mismatches += sum(row["mismatches"] for run in report["reference"] if run["temperature"] == 0 for row in run["summary"])
     return 0 if mismatches == 0 else 1
 
 
@@ -61,4 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="drafting width of the per-round controllers (adaptive, heuristic, ema, entropy)")
     p.add_argument("--no-baselines", action="store_true",
                    help="only plain, fixed block sizes and the policy (no per-round controllers)")
+    p.add_argument("--reference", action="store_true",
+                   help="also time the DFlash authors' loop (dflash_generate) beside ours at each fixed b, with the "
+                        "drafter's full-vocabulary variant on both sides (pip install --no-deps dflash==0.1.0)")
     p.set_defaults(func=cmd_bench)

@@ -20,6 +20,13 @@ from ..controllers import DraftController
 from ..data import load_prompts
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import MethodResult, decode_methods, summarize_methods
+from .reference_peer import (
+    compare_with_reference,
+    full_vocabulary_variant,
+    load_reference_drafter,
+    peer_markdown,
+    summarize_peers,
+)
 
 
 def cpu_model() -> str:
@@ -66,15 +73,21 @@ def run_benchmark(
     repeats: int = 3,
     output_dir: str | Path | None = None,
     controllers: Mapping[str, DraftController] | None = None,
+    reference: bool = False,
 ) -> dict:
     """Decode every prompt of every dataset with every method (plain, each fixed b, the policy, each named
-    controller) at every temperature; summarize and save."""
+    controller) at every temperature; summarize and save.
+
+    `reference`: also decode with the DFlash authors' loop side by side with ours at each fixed b
+    (`tools.reference_peer`; needs `pip install --no-deps dflash==0.1.0`)."""
     report: dict = {"machine": machine_info(target.device), "settings": {
         "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
         "prompt_lookup": drafter.prompt_lookup,
         "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
-    }, "runs": []}
+    }, "runs": [], "reference": []}
+    if reference:
+        load_reference_drafter(full_vocabulary_variant(drafter))  # a missing package fails before any decoding
     for temperature in temperatures:
         for name in datasets:
             torch.manual_seed(0)
@@ -88,6 +101,11 @@ def run_benchmark(
                 "summary": summarize_methods(results),
                 "results": [asdict(r) for r in results],
             })
+            if reference:
+                peers = compare_with_reference(target, tokenizer, drafter, load_prompts(name, limit), block_sizes,
+                                               max_new_tokens, temperature, repeats)
+                report["reference"].append({"dataset": name, "temperature": temperature,
+                                            "summary": summarize_peers(peers), "results": [asdict(r) for r in peers]})
     if output_dir is not None:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +132,9 @@ def markdown_report(report: dict) -> str:
                          f"{row.get('verified_per_round', 0.0):.2f} | {mismatches} | {100 * row['policy_overhead']:.2f}% | "
                          f"{100 * row.get('controller_overhead', 0.0):.2f}% |")
         lines.append("")
+    for run in report.get("reference", []):
+        lines += [f"### {run['dataset']}, T={run['temperature']:g}: ours vs the reference loop (`dflash_generate`), "
+                  "the drafter's full-vocabulary variant on both sides", "", peer_markdown(run["summary"]), ""]
     return "\n".join(lines)
 
 
