@@ -7,7 +7,15 @@ import string
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.generation import GenerationMixin
 
 import hf_blockpilot  # noqa: F401  (installs the generate() routing)
@@ -36,6 +44,10 @@ def make_target(family: str = "llama", vocab_size: int = 97, hidden_size: int = 
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif family == "gemma3":  # embeddings scaled by sqrt(hidden) inside the embedding module; softcapped logits
+        config = Gemma3TextConfig(head_dim=16, layer_types=["full_attention"] * layers, final_logit_softcapping=30.0,
+                                  **common)
+        model = Gemma3ForCausalLM(config)
     else:
         raise ValueError(family)
     return model.eval()

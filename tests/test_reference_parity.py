@@ -256,3 +256,46 @@ def test_the_speed_comparison_drafts_with_the_full_vocabulary_the_reference_load
     reference_model = load_reference_drafter(variant)
     for name, tensor in reference_model.state_dict().items():
         assert torch.equal(tensor, variant.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("scale", [None, 8.0])  # absent (the reference: 1.0), and sqrt(hidden) as Gemma targets use
+def test_gemma_style_target_drafts_as_the_reference(tmp_path, monkeypatch, scale):
+    """A Gemma 3 target scales its embeddings by sqrt(hidden) inside the embedding module and softcaps its
+    logits; the reference embeds the block from the *raw* table times `input_embedding_scale`. Ours drafts the
+    same distributions and the same greedy rounds, and stays lossless."""
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    target = make_target("gemma3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=2)
+    with torch.no_grad():
+        target.model.norm.weight.add_(3.0)  # Gemma norms scale by (1 + weight): peaked next-token distributions
+    target = target.double()
+    assert not torch.equal(target.get_input_embeddings()(torch.tensor([1])), target.get_input_embeddings().weight[1:2])
+    reference_drafter(target, tmp_path / "d", block_size=4, seed=5, sharpen=3.0)
+    if scale is not None:
+        _edit_config(tmp_path / "d", lambda c: c["dflash_config"].update(input_embedding_scale=scale))
+    ref = reference.DFlashDraftModel.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
+    ours = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
+    ids = torch.randint(1, VOCAB - 1, (1, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        context = torch.cat([hidden[i + 1] for i in ours.target_layer_ids], dim=-1)
+        block = torch.full((1, 4), ours.mask_token_id)
+        block[0, 0] = ids[0, -1]
+        positions = torch.arange(14)[None]
+        expected = ref.compute_logits(ref(target_hidden=context, noise_embedding=reference._raw_input_embeddings(
+            target, block, scale or 1.0), position_ids=positions)[:, 1:], reference._output_head(target))
+        got = ours.finish_logits(target.lm_head(ours(
+            block_embeds=ours.embed_block(target.get_input_embeddings(), block), block_position_ids=positions[:, 10:],
+            target_hidden=context, context_position_ids=positions[:, :10]).last_hidden_state[:, 1:]))
+    torch.testing.assert_close(got.softmax(-1), expected.softmax(-1))
+    full = partial = 0
+    for seed in range(6):
+        prompt = torch.randint(1, VOCAB - 1, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
+        expected_run = reference.dflash_generate(ref, target, prompt, 24, stop_token_ids=None, return_stats=True)
+        got_run = greedy_generate(target, prompt, 24, None, assistant_model=ours)
+        assert torch.equal(got_run, expected_run.output_ids)
+        assert torch.equal(got_run, greedy_generate(target, prompt, 24, None))
+        committed = [a + 1 for a in ours.last_stats.accepted_per_round[1:]]
+        assert committed == expected_run.acceptance_lengths
+        full += sum(c == 4 for c in committed)
+        partial += sum(1 < c < 4 for c in committed)
+    assert full + partial > 0, "no draft was ever accepted: the rounds compared nothing"
