@@ -139,10 +139,11 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             keep = self._num_to_verify(DraftedRound(len(looked_up), lookup=True))
             drafts, logits = drafts[:, :keep], logits[:, :keep]
         else:
-            logits, draft_vocab_logits = self._draft_logits(input_ids, model_outputs, width)
-            logits = logits[:, :num_drafts]
+            logits, draft_vocab_logits, hidden = self._draft_logits(input_ids, model_outputs, width)
             keep = self._num_to_verify(self._drafted_round(draft_vocab_logits[:, :num_drafts]))
-            drafts, logits = self._select(input_ids, logits[:, :keep])
+            selector = self.drafter.candidate_selector
+            score = selector.scorer(hidden[:, :keep], logits[:, :keep]) if selector is not None else None
+            drafts, logits = self._select(input_ids, logits[:, :keep], score)
         drafts, logits = self._cut_before_stop(input_ids, drafts, logits)
         self.stats.drafted_per_round.append(drafts.shape[1])
         if drafts.shape[1] == 0:
@@ -218,11 +219,12 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
     def _draft_logits(
         self, input_ids: torch.LongTensor, model_outputs: Any, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One drafter forward over [new context ; last token, MASK x (width-1)]: logits of slots 1..width-1.
 
         Returns full-vocabulary float logits (with a reduced draft vocabulary, ids outside it get -inf, so they
-        are exactly the distribution drafts are drawn from) and the same logits over the draft vocabulary.
+        are exactly the distribution drafts are drawn from), the same logits over the draft vocabulary, and
+        the slots' hidden states (a DFlash 2 selector reads them).
         """
         target_hidden, context_positions = self._new_context(input_ids, model_outputs)
         block_ids = torch.full((1, width), self.drafter.mask_token_id, dtype=torch.long, device=input_ids.device)
@@ -242,10 +244,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         logits = skinny_linear(hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
         logits = self.drafter.finish_logits(logits.float())
         if self.drafter.d2t is None:
-            return logits, logits
+            return logits, logits, hidden
         full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
         full[..., self.drafter.d2t.to(logits.device)] = logits
-        return full, logits
+        return full, logits, hidden
 
     def _lookup_drafts(
         self, input_ids: torch.LongTensor, model_outputs: Any, looked_up: list[int]
@@ -259,14 +261,21 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         logits = torch.full((1, len(looked_up), self.vocab_size), float("-inf"), device=input_ids.device)
         return drafts, logits.scatter_(-1, drafts.unsqueeze(-1), 0.0)
 
-    def _select(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Apply the logits processors position by position and pick drafts from exactly those logits."""
-        if not self.logits_processor:
+    def _select(
+        self, input_ids: torch.LongTensor, logits: torch.Tensor, score: Any = None
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Apply the logits processors position by position and pick drafts from exactly those logits.
+
+        `score(i, previous)` (DFlash 2's candidate selector) replaces slot i's logits by ones that depend on the
+        draft picked before it, so slots are then picked left to right.
+        """
+        if not self.logits_processor and score is None:
             return self._pick(logits), logits
         ids = input_ids
         processed = torch.empty_like(logits)
         for i in range(logits.shape[1]):
-            processed[:, i] = self.logits_processor(ids, logits[:, i])
+            raw = logits[:, i] if score is None else score(i, ids[:, -1])
+            processed[:, i] = self.logits_processor(ids, raw) if self.logits_processor else raw
             ids = torch.cat([ids, self._pick(processed[:, i : i + 1])], dim=-1)
         return ids[:, input_ids.shape[1] :], processed
 

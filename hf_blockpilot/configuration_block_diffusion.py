@@ -3,7 +3,9 @@
 On disk the config uses the z-lab DFlash layout unchanged (`model_type: "qwen3"`,
 `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
 `dflash_config: {mask_token_id, target_layer_ids}`), so checkpoints such as
-`z-lab/Qwen3-4B-DFlash-b16` load without `trust_remote_code` and ours load in z-lab's code.
+`z-lab/Qwen3-4B-DFlash-b16` load without `trust_remote_code` and ours load in z-lab's code. DFlash 2
+checkpoints (`architectures: ["DFlash2DraftModel"]`) add `conv_kernel_size`, `conv_group_size`,
+`selector_rank` and `selector_top_k` to `dflash_config`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 DFLASH_MODEL_TYPE = "qwen3"
+#: DFlash 2's convolution and candidate-selector sizes (all four, or none for a v1 drafter).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 #: Fields the reference reads from `dflash_config` first, then from the top level of the config.
-_NESTED_FIELDS = ("mask_token_id", "target_layer_ids")
+_NESTED_FIELDS = ("mask_token_id", "target_layer_ids", *DFLASH2_FIELDS)
 _TOP_LEVEL_FIELDS = ("block_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
 
 
@@ -58,7 +62,10 @@ class BlockDiffusionConfig(Qwen3Config):
 
     block_size (`int`): the block size it was trained with (and the default block size at inference).
     num_target_layers (`int`): number of decoder layers of the target it was built for.
-    dflash_config (`dict`): `{"mask_token_id": int, "target_layer_ids": list[int]}` as in z-lab checkpoints.
+    dflash_config (`dict`): `{"mask_token_id": int, "target_layer_ids": list[int]}` as in z-lab checkpoints;
+        a DFlash 2 drafter adds `conv_kernel_size` and `conv_group_size` (the grouped dynamic causal
+        convolutions around each layer's attention and MLP) and `selector_rank` and `selector_top_k` (its
+        candidate selector).
     draft_vocab_size (`int`, optional): size of a reduced draft vocabulary (the drafter then scores only
         the `d2t` shortlist of target ids); `None` scores the target's full vocabulary.
     input_embedding_scale (`float`): block tokens are embedded as the target's raw embedding table times this.
@@ -66,8 +73,8 @@ class BlockDiffusionConfig(Qwen3Config):
     final_logit_softcapping (`float`, optional): draft logits are soft-capped, `c * tanh(logits / c)`.
 
     As in the reference loader, each DFlash field may sit in `dflash_config` or at the top level
-    (`dflash_config` wins); fields the package cannot honour (causal or sliding-window draft attention,
-    DFlash 2 layers) are an error naming them.
+    (`dflash_config` wins); fields the package cannot honour (causal or sliding-window draft attention) are an
+    error naming them.
     """
 
     model_type = "blockpilot_dflash"
@@ -104,6 +111,33 @@ class BlockDiffusionConfig(Qwen3Config):
                 f"this drafter's config asks for {' and '.join(unsupported)}, which hf-blockpilot does not implement "
                 "yet: it would draft differently from the checkpoint's reference implementation"
             )
+        self._check_dflash2_fields()
+
+    def _check_dflash2_fields(self) -> None:
+        given = [name for name in DFLASH2_FIELDS if self.dflash_config.get(name) is not None]
+        if not given:
+            return
+        missing = [name for name in DFLASH2_FIELDS if name not in given]
+        if missing:
+            raise ValueError(f"a DFlash 2 drafter config needs all of {list(DFLASH2_FIELDS)}; missing {missing}")
+        sizes = {name: self.dflash_config[name] for name in DFLASH2_FIELDS}
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes.values()):
+            raise ValueError(f"the DFlash 2 sizes must be positive ints, got {sizes}")
+        if self.hidden_size % sizes["conv_group_size"]:
+            raise ValueError(f"conv_group_size={sizes['conv_group_size']} must divide hidden_size={self.hidden_size}")
+        if sizes["selector_top_k"] > self.vocab_size:
+            raise ValueError(f"selector_top_k={sizes['selector_top_k']} exceeds the vocabulary ({self.vocab_size})")
+        if self.draft_vocab_size is not None:
+            raise ValueError("a DFlash 2 drafter selects among the full vocabulary's top candidates: drop draft_vocab_size")
+
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash 2 drafter: convolutions around attention and MLP, and a candidate selector."""
+        return self.dflash_config.get("conv_kernel_size") is not None
+
+    def dflash2_size(self, name: str) -> int:
+        """One of `DFLASH2_FIELDS` (a DFlash 2 config only)."""
+        return int(self.dflash_config[name])
 
     @property
     def mask_token_id(self) -> int | None:
@@ -121,14 +155,18 @@ class BlockDiffusionConfig(Qwen3Config):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> tuple[dict, dict]:
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if DFLASH2_ARCHITECTURE in (config_dict.get("architectures") or []):
-            raise ValueError(
-                f"{pretrained_model_name_or_path} is a DFlash 2 drafter ({DFLASH2_ARCHITECTURE}: convolutions and a "
-                "candidate selector), which hf-blockpilot does not support yet; DFlash (v1) drafters load as they are"
-            )
-        if DFLASH_ARCHITECTURE in (config_dict.get("architectures") or []):
+        architectures = config_dict.get("architectures") or []
+        if DFLASH_ARCHITECTURE in architectures or DFLASH2_ARCHITECTURE in architectures:
             config_dict["model_type"] = cls.model_type
             _gather_dflash_fields(config_dict)
+            declared_v2 = DFLASH2_ARCHITECTURE in architectures
+            has_v2_fields = any(config_dict["dflash_config"].get(name) is not None for name in DFLASH2_FIELDS)
+            if declared_v2 != has_v2_fields:
+                raise ValueError(
+                    f"{pretrained_model_name_or_path}: architectures={architectures} but the config "
+                    f"{'lacks' if declared_v2 else 'has'} DFlash 2 fields {list(DFLASH2_FIELDS)}: the checkpoint is "
+                    "inconsistent (a DFlash 2 drafter declares DFlash2DraftModel and all four sizes)"
+                )
         elif config_dict.get("model_type") not in (cls.model_type, None):
             raise ValueError(
                 f"{pretrained_model_name_or_path} is not a DFlash drafter checkpoint: its config has "
@@ -152,7 +190,7 @@ class BlockDiffusionConfig(Qwen3Config):
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output["model_type"] = DFLASH_MODEL_TYPE
-        output["architectures"] = [DFLASH_ARCHITECTURE]
+        output["architectures"] = [DFLASH2_ARCHITECTURE if self.is_dflash2 else DFLASH_ARCHITECTURE]
         output.pop("auto_map", None)
         # Readers on Transformers 4.x (z-lab's code, older vLLM/SGLang) take RoPE's base from `rope_theta`.
         rope = output.get("rope_parameters") or {}

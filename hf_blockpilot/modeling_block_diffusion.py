@@ -141,6 +141,38 @@ class BlockDiffusionAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash 2's convolution around a sublayer: causal over the block's slots, `kernel_size` taps per channel.
+
+    Each tap's weight is a learned per-channel `base_kernel` plus a per-group weight predicted from the
+    sublayer's input (`kernel_projection`), so `prepare` convolves the input before the sublayer and returns
+    the predicted weights `finish` convolves its output with.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # (before, after) x taps
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        # out[t] = sum over taps o of (base[o] + dynamic[t, o] per group) * x[t - o], x before the block = 0
+        per_channel = dynamic.repeat_interleave(self.group_size, dim=-1)  # (batch, n, taps, hidden)
+        out = torch.zeros_like(x)
+        for tap in range(self.kernel_size):
+            shifted = F.pad(x, (0, 0, tap, 0))[:, : x.shape[1]]
+            out = out + (base[tap].to(x.dtype) + per_channel[:, :, tap]) * shifted
+        return out
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1])
+
+
 class BlockDiffusionDecoderLayer(nn.Module):
     def __init__(self, config: BlockDiffusionConfig, layer_idx: int):
         super().__init__()
@@ -148,10 +180,52 @@ class BlockDiffusionDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.is_dflash2:
+            sizes = (config.hidden_size, config.dflash2_size("conv_kernel_size"), config.dflash2_size("conv_group_size"))
+            self.attention_conv, self.mlp_conv = GroupedDynamicCausalConv(*sizes), GroupedDynamicCausalConv(*sizes)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attn_kwargs) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, **attn_kwargs)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + self._around(
+            self.attention_conv, lambda x: self.self_attn(x, context, **attn_kwargs), self.input_layernorm(hidden_states)
+        )
+        return hidden_states + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_states))
+
+    @staticmethod
+    def _around(conv: GroupedDynamicCausalConv | None, sublayer, x: torch.Tensor) -> torch.Tensor:
+        if conv is None:
+            return sublayer(x)
+        x, dynamic = conv.prepare(x)
+        return conv.finish(sublayer(x), dynamic)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's candidate selector: each slot's draft is one of its top-`top_k` tokens by draft logit, scored
+    by that logit plus a low-rank pair score between the previous slot's token (predecessor codebook, scaled by
+    the slot's projected hidden state) and the candidate (successor codebook); slots are chosen left to right."""
+
+    def __init__(self, config: BlockDiffusionConfig):
+        super().__init__()
+        rank = config.dflash2_size("selector_rank")
+        self.top_k = config.dflash2_size("selector_top_k")
+        self.predecessor_codebook = nn.Embedding(config.vocab_size, rank)
+        self.successor_codebook = nn.Embedding(config.vocab_size, rank)
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def scorer(self, hidden: torch.Tensor, logits: torch.Tensor):
+        """For (1, k, hidden) slot states and their (1, k, V) draft logits: `score(i, previous)`, the (1, V)
+        logits of slot i given the token drafted before it (previous: (1,) id), -inf outside its candidates."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        successors = self.successor_codebook(candidates)  # (1, k, top_k, rank)
+
+        def score(i: int, previous: torch.LongTensor) -> torch.Tensor:
+            pair = self.predecessor_codebook(previous) * projected[:, i]  # (1, rank)
+            scores = unary[:, i] + torch.einsum("br,bkr->bk", pair, successors[:, i]).to(unary.dtype)
+            return logits.new_full((1, logits.shape[-1]), float("-inf")).scatter(-1, candidates[:, i], scores)
+
+        return score
 
 
 class BlockDiffusionPreTrainedModel(PreTrainedModel):
@@ -169,6 +243,11 @@ class BlockDiffusionPreTrainedModel(PreTrainedModel):
                 module.bias.zero_()
         elif isinstance(module, Qwen3RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(mean=0.0, std=std)
+        elif isinstance(module, GroupedDynamicCausalConv):  # starts as the identity: no mixing across slots
+            module.base_kernel.zero_()
+            module.base_kernel[:, 0] = 1.0
         elif isinstance(module, Qwen3RotaryEmbedding):
             # `inv_freq` is a non-persistent buffer: `from_pretrained` materialises it empty and relies on
             # `_init_weights` to recompute it (Transformers' base implementation does that).
@@ -178,8 +257,8 @@ class BlockDiffusionPreTrainedModel(PreTrainedModel):
 class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
     """DFlash block-diffusion drafter, used as `target.generate(..., assistant_model=drafter)`.
 
-    Loads z-lab DFlash checkpoints unchanged (`from_pretrained("z-lab/Qwen3-4B-DFlash-b16")`) and saves in
-    the same layout. `block_size` (settable, any int >= 2) is the block drafted per round when no policy is
+    Loads z-lab DFlash and DFlash 2 checkpoints unchanged (`from_pretrained("z-lab/Qwen3-4B-DFlash-b16")`) and
+    saves in the same layout. `block_size` (settable, any int >= 2) is the block drafted per round when no policy is
     attached; `prompt_lookup` (settable, default off) lets rounds whose last tokens occurred earlier copy their
     continuation instead of drafting; `last_stats` holds the statistics of the latest `generate` call.
     """
@@ -194,6 +273,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(num_context_layers * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(config) if config.is_dflash2 else None
         if config.draft_vocab_size is not None:
             # Draft-vocabulary index -> target token id (EAGLE-3's `d2t`, stored as absolute ids).
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
@@ -258,6 +338,9 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
 
         A reduced-vocabulary checkpoint must carry its `d2t` map, with ids inside the vocabulary."""
         wants_info = kwargs.pop("output_loading_info", False)
+        # DFlash 2 checkpoints may store the selector's codebooks as bare tensors (the reference maps them too)
+        kwargs.setdefault("key_mapping", {r"^candidate_selector\.(predecessor|successor)_codebook$":
+                                          r"candidate_selector.\1_codebook.weight"})
         drafter, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path", "the checkpoint")
         if drafter.d2t is not None and "d2t" in info.get("missing_keys", ()):
@@ -266,6 +349,17 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
                 "but its weights hold no `d2t` map (draft index -> target token id): the drafter would draft arbitrary "
                 "ids. Re-save it with its map, or drop draft_vocab_size from its config.json if it drafts over the "
                 "full vocabulary."
+            )
+        unknown = sorted(info.get("unexpected_keys", ()))
+        absent = sorted(set(info.get("missing_keys", ())) - {"d2t"})
+        if unknown or absent:
+            raise ValueError(
+                f"{source} does not match its config: "
+                + "; ".join(part for part in (
+                    f"weights this drafter does not use {unknown[:6]}" if unknown else "",
+                    f"weights it needs but the checkpoint lacks {absent[:6]}" if absent else "",
+                ) if part)
+                + " (a DFlash 2 checkpoint declares architectures=['DFlash2DraftModel'] and its sizes in dflash_config)"
             )
         drafter._check_draft_vocabulary(str(source))
         if policy is not None:

@@ -63,6 +63,34 @@ def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0,
     return drafter
 
 
+def init_dflash2(model: torch.nn.Module, seed: int, sharpen: float) -> None:
+    """Random DFlash 2 weights that make the convolutions and the selector matter (the reference leaves
+    `base_kernel` uninitialised) and drafts that a target often accepts."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.copy_(0.4 * torch.randn(conv.base_kernel.shape, generator=gen))
+                conv.base_kernel[:, 0] += 1.0
+                conv.kernel_projection.weight.mul_(4.0)
+        model.candidate_selector.hidden_projection.weight.normal_(0.0, 0.5, generator=gen)
+        model.norm.weight.mul_(sharpen)
+
+
+def make_dflash2_drafter(target, seed: int = 0, block_size: int = 4, sharpen: float = 8.0, **sizes) -> BlockDiffusionDrafter:
+    """A random DFlash 2 drafter (convolutions + candidate selector) for `target`."""
+    from hf_blockpilot.configuration_block_diffusion import BlockDiffusionConfig
+
+    torch.manual_seed(seed)
+    config = BlockDiffusionDrafter.from_target(target, block_size=block_size).config.to_dict()
+    hidden = config["hidden_size"]
+    config["dflash_config"].update({"conv_kernel_size": 2, "conv_group_size": min(8, hidden), "selector_rank": 4,
+                                    "selector_top_k": 3, **sizes})
+    drafter = BlockDiffusionDrafter(BlockDiffusionConfig.from_dict(config)).to(target.dtype).eval()
+    init_dflash2(drafter, seed, sharpen)
+    return drafter
+
+
 def greedy_generate(target, prompt, max_new_tokens, eos, **kwargs):
     """Greedy `generate` stopping on `eos` (None: only on length), pad id 0; kwargs e.g. `assistant_model`."""
     return target.generate(

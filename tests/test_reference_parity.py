@@ -199,7 +199,8 @@ def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, f
     [(lambda c: c.update(is_causal=True), "is_causal=true"),
      (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=4),
       "sliding_attention"),
-     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash 2")],
+     # weights under the other architecture name: never load as the other family and draft something else
+     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "lacks DFlash 2 fields")],
 )
 def test_fields_the_package_cannot_honour_are_errors(tmp_path, edit, message):
     target = _target("qwen3", seed=0)
@@ -218,7 +219,7 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
     from hf_blockpilot.tools.reference_peer import compare_with_reference, peer_markdown, summarize_peers
 
     target, directory = trained_checkpoint
-    drafter = BlockDiffusionDrafter.from_pretrained(directory).eval()
+    drafter = BlockDiffusionDrafter.from_pretrained(directory, dtype=target.dtype).eval()  # an earlier test made it fp64
     tokenizer = char_tokenizer(VOCAB)
     tokenizer.chat_template = None
     prompts = [PromptRecord(f"p{i}", "tiny", text) for i, text in enumerate(["abcab", "fedcbafe", "ghij"])]

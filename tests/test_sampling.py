@@ -265,8 +265,8 @@ class PeekingGenerator(candidate_generator_module.BlockDiffusionCandidateGenerat
     """BROKEN on purpose: after drawing the drafts it keeps only the prefix of argmax drafts, so whether a
     position carries a draft depends on the draft drawn there (the mistake a controller must never make)."""
 
-    def _select(self, input_ids, logits):
-        drafts, processed = super()._select(input_ids, logits)
+    def _select(self, input_ids, logits, score=None):
+        drafts, processed = super()._select(input_ids, logits, score)
         is_top = (drafts == processed.argmax(-1))[0].tolist() + [False]
         keep = is_top.index(False)
         return drafts[:, :keep], processed[:, :keep]

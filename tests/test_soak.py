@@ -1,5 +1,6 @@
-"""Randomized soak: many small greedy cases across targets, block sizes, controllers, generate options and prompt
-lookup, all identical to plain `generate`; and repeated calls leak neither memory nor hooks."""
+"""Randomized soak: many small greedy cases across targets, drafters (DFlash and DFlash 2), block sizes,
+controllers, generate options and prompt lookup, all identical to plain `generate`; and repeated calls leak
+neither memory nor hooks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ScriptedDrafter, make_drafter, make_target
+from conftest import ScriptedDrafter, make_dflash2_drafter, make_drafter, make_target
 
 import hf_blockpilot
 from hf_blockpilot import AcceptanceEMA, AdaptiveVerify, DraftController, EntropyStop, HeuristicSchedule
@@ -62,12 +63,16 @@ def test_soak_greedy_equality():
         eos = rng.choice([None, None, rng.randrange(3, VOCAB)])
         common = dict(max_new_tokens=rng.randint(1, 20), do_sample=False, eos_token_id=eos, pad_token_id=0, **options)
         expected = target.generate(prompt, **common)
-        if rng.random() < 0.5:
+        kind = rng.random()
+        if kind < 0.5:
             drafter = ScriptedDrafter.from_target(target, block_size=block_size).eval()
             drafter.rig(target, expected, error_rate=rng.choice([0.0, 0.2, 0.5]), seed=case,
                         varied_confidence=rng.random() < 0.5)
-        else:
+        elif kind < 0.85:
             drafter = make_drafter(target, seed=case, block_size=block_size, scale=rng.choice([1.0, 6.0]))
+        else:  # DFlash 2: convolutions and a candidate selector
+            drafter = make_dflash2_drafter(target, seed=case, block_size=block_size,
+                                           conv_kernel_size=rng.choice([2, 3, 4]), selector_top_k=rng.choice([1, 3, 8]))
         drafter.prompt_lookup = rng.random() < 0.3
         controller = _controller(rng, block_size)
         got = target.generate(prompt, assistant_model=drafter, draft_controller=controller, **common)

@@ -240,13 +240,15 @@ def test_load_zlab_checkpoint_exactly(tmp_path, target, dtype_key):
 
 
 def test_load_warnings_are_captured(tmp_path):
-    """Negative control: the capture above does see a load report with missing/unexpected keys."""
+    """Negative control: the capture above does see a load report with missing/unexpected keys; and such a
+    checkpoint is an error naming them, not a drafter with a random norm."""
     sd = zlab_state_dict(num_layers=2, num_context_layers=2)
     sd["extra.weight"] = sd.pop("norm.weight")
     path = write_zlab_checkpoint(tmp_path / "broken", zlab_config(), sd)
-    with capture_transformers_log() as log:
-        _, info = BlockDiffusionDrafter.from_pretrained(path, output_loading_info=True)
-    assert info["missing_keys"] == {"norm.weight"} and info["unexpected_keys"] == {"extra.weight"}
+    with capture_transformers_log() as log, pytest.raises(
+        ValueError, match=r"does not use \['extra.weight'\]; weights it needs but the checkpoint lacks \['norm.weight'\]"
+    ):
+        BlockDiffusionDrafter.from_pretrained(path)
     assert any("norm.weight" in m for m in log), log
 
 

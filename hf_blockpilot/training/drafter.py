@@ -154,6 +154,11 @@ class DrafterTrainer:
         output_dir: str | Path,
         config: DrafterTrainingConfig,
     ):
+        if drafter.config.is_dflash2:
+            raise ValueError(
+                "training DFlash 2 drafters (convolutions and a candidate selector) is not implemented: train a DFlash "
+                "(v1) drafter, or fine-tune a DFlash 2 one with the authors' recipe"
+            )
         self.config = config
         self.drafter = drafter.train()
         usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
