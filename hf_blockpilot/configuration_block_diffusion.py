@@ -111,6 +111,13 @@ class BlockDiffusionConfig(Qwen3Config):
                 f"this drafter's config asks for {' and '.join(unsupported)}, which hf-blockpilot does not implement "
                 "yet: it would draft differently from the checkpoint's reference implementation"
             )
+        unknown = sorted(set(self.dflash_config) - set(_NESTED_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"this drafter's dflash_config has fields hf-blockpilot does not know: {unknown} (known: "
+                f"{list(_NESTED_FIELDS) + list(_TOP_LEVEL_FIELDS)}); ignoring them could draft differently from the "
+                "checkpoint's reference implementation"
+            )
         self._check_dflash2_fields()
 
     def _check_dflash2_fields(self) -> None:

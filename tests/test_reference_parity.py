@@ -200,7 +200,8 @@ def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, f
      (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=4),
       "sliding_attention"),
      # weights under the other architecture name: never load as the other family and draft something else
-     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "lacks DFlash 2 fields")],
+     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "lacks DFlash 2 fields"),
+     (lambda c: c["dflash_config"].update(noise_schedule="cosine"), r"does not know: \['noise_schedule'\]")],
 )
 def test_fields_the_package_cannot_honour_are_errors(tmp_path, edit, message):
     target = _target("qwen3", seed=0)
