@@ -108,6 +108,11 @@ def test_a_pickle_that_is_not_a_state_dict_is_refused(target, tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable torch state dict"):
         import_authors_policy(tmp_path / "junk.pt", target)
+    import argparse
+
+    torch.save({"layers.0.weight": argparse.Namespace()}, tmp_path / "code.pt")  # would run code to unpickle
+    with pytest.raises(ValueError, match="not a readable torch state dict"):
+        import_authors_policy(tmp_path / "code.pt", target)
 
 
 def test_import_policy_command(tmp_path, capsys):

@@ -7,6 +7,7 @@ block size, 14..18 in their release), read over the target's last-token prefill 
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ def _read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no predictor checkpoint at {path}: pass the authors' model.pt")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: never runs pickled code
-    except Exception as err:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:  # not a (tensor-only) torch file
         raise ValueError(f"{path} is not a readable torch state dict ({type(err).__name__}: {err})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors (the authors' MLP layout)")
