@@ -47,7 +47,7 @@ def _target(family: str, seed: int):
     return target
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
 def test_draft_hidden_states_equal_the_reference_fresh_and_cached(tmp_path, family):
     target = _target(family, seed=0)
     ref = reference_drafter(target, tmp_path / "d")
