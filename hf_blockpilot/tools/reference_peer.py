@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -133,8 +134,10 @@ def _theirs(target, reference, input_ids, block_size, max_new_tokens, temperatur
     # load_reference_drafter has checked that the package is there
     from dflash.model import dflash_generate
 
-    return dflash_generate(reference, target, input_ids, max_new_tokens, _stop_ids(target), temperature=temperature,
-                           block_size=block_size)
+    with warnings.catch_warnings():  # it passes the target `past_key_values=`, which newer Transformers deprecate
+        warnings.simplefilter("ignore", FutureWarning)
+        return dflash_generate(reference, target, input_ids, max_new_tokens, _stop_ids(target),
+                               temperature=temperature, block_size=block_size)
 
 
 @torch.inference_mode()
