@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from conftest import greedy_generate, init_dflash2, make_dflash2_drafter, make_target
+from test_reference_parity import _target, reference_config
 from test_sampling import (
     CONFIGS,
     PROMPT,
@@ -20,7 +21,6 @@ from test_sampling import (
     draw,
     exact_joint,
 )
-from transformers import Qwen3Config
 
 import hf_blockpilot.candidate_generator as candidate_generator_module
 from hf_blockpilot import AdaptiveVerify, BlockDiffusionDrafter, BlockPilotPolicy
@@ -35,29 +35,12 @@ SIZES = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "sele
 
 def reference_dflash2(target, directory, num_layers=2, block_size=4, layer_ids=(0, 2), seed=0, sharpen=6.0, **sizes):
     """A random DFlash 2 drafter built and saved by the reference's `DFlash2DraftModel`."""
-    text = target.config.get_text_config()
-    config = Qwen3Config(
-        hidden_size=text.hidden_size, intermediate_size=2 * text.hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=text.vocab_size,
-        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-    )
-    config.num_target_layers = text.num_hidden_layers
-    config.block_size = block_size
-    config.dflash_config = {"mask_token_id": text.vocab_size - 1, "target_layer_ids": list(layer_ids),
-                            **SIZES, **sizes}
-    config.architectures = ["DFlash2DraftModel"]
+    config = reference_config(target, num_layers, block_size, layer_ids, "DFlash2DraftModel", **{**SIZES, **sizes})
     torch.manual_seed(seed)
     model = reference.DFlash2DraftModel(config).eval()
     init_dflash2(model, seed, sharpen)
     model.save_pretrained(directory)
     return model
-
-
-def _target(family: str, seed: int):
-    target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=seed)
-    with torch.no_grad():
-        target.model.norm.weight.mul_(4.0)
-    return target
 
 
 def _block(drafter, anchor: int, width: int) -> torch.Tensor:

@@ -20,8 +20,9 @@ reference = pytest.importorskip("dflash.model", reason="the reference package: p
 VOCAB, HIDDEN = 24, 64  # prompts avoid id 0: `generate` takes it for padding (pad_token_id=0) and masks it
 
 
-def reference_drafter(target, directory, num_layers=2, block_size=4, layer_ids=(0, 2), seed=0, sharpen=6.0):
-    """A random drafter built and saved by the reference's `DFlashDraftModel` (z-lab's layout)."""
+def reference_config(target, num_layers: int, block_size: int, layer_ids, architecture: str = "DFlashDraftModel",
+                     **dflash_fields) -> Qwen3Config:
+    """A drafter config in z-lab's layout, as the reference's classes read it, sized for `target`."""
     text = target.config.get_text_config()
     config = Qwen3Config(
         hidden_size=text.hidden_size, intermediate_size=2 * text.hidden_size, num_hidden_layers=num_layers,
@@ -30,8 +31,14 @@ def reference_drafter(target, directory, num_layers=2, block_size=4, layer_ids=(
     )
     config.num_target_layers = text.num_hidden_layers
     config.block_size = block_size
-    config.dflash_config = {"mask_token_id": text.vocab_size - 1, "target_layer_ids": list(layer_ids)}
-    config.architectures = ["DFlashDraftModel"]
+    config.dflash_config = {"mask_token_id": text.vocab_size - 1, "target_layer_ids": list(layer_ids), **dflash_fields}
+    config.architectures = [architecture]
+    return config
+
+
+def reference_drafter(target, directory, num_layers=2, block_size=4, layer_ids=(0, 2), seed=0, sharpen=6.0):
+    """A random drafter built and saved by the reference's `DFlashDraftModel` (z-lab's layout)."""
+    config = reference_config(target, num_layers, block_size, layer_ids)
     torch.manual_seed(seed)
     model = reference.DFlashDraftModel(config).eval()
     with torch.no_grad():  # a random init drafts nearly uniformly: sharpen it so drafts are often accepted
@@ -78,7 +85,11 @@ def trained_checkpoint(tmp_path_factory):
     """A tiny drafter trained briefly (by this package) on a tiny target's own greedy answers, saved in the
     z-lab layout: often right, so rounds accept whole blocks as well as parts of them."""
     from hf_blockpilot.training.data import TrainingSequence, cache_hidden_states
-    from hf_blockpilot.training.drafter import DrafterTrainer, DrafterTrainingConfig, init_drafter_from_target
+    from hf_blockpilot.training.drafter import (
+        DrafterTrainer,
+        DrafterTrainingConfig,
+        init_drafter_from_target,
+    )
 
     root = tmp_path_factory.mktemp("trained")
     target = _target("qwen3", seed=0)
@@ -217,7 +228,11 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
     from conftest import char_tokenizer
 
     from hf_blockpilot.data import PromptRecord
-    from hf_blockpilot.tools.reference_peer import compare_with_reference, peer_markdown, summarize_peers
+    from hf_blockpilot.tools.reference_peer import (
+        compare_with_reference,
+        peer_markdown,
+        summarize_peers,
+    )
 
     target, directory = trained_checkpoint
     drafter = BlockDiffusionDrafter.from_pretrained(directory, dtype=target.dtype).eval()  # an earlier test made it fp64
@@ -245,7 +260,10 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
 
 
 def test_the_speed_comparison_drafts_with_the_full_vocabulary_the_reference_loads():
-    from hf_blockpilot.tools.reference_peer import full_vocabulary_variant, load_reference_drafter
+    from hf_blockpilot.tools.reference_peer import (
+        full_vocabulary_variant,
+        load_reference_drafter,
+    )
 
     target = _target("qwen3", seed=0)
     reduced = BlockDiffusionDrafter.from_target(target, block_size=4, draft_vocab=list(range(2, 12)))
