@@ -11,7 +11,11 @@ import time
 import pytest
 import torch
 from conftest import greedy_generate, init_dflash2, make_dflash2_drafter, make_target
-from test_reference_parity import _target, reference_config
+from test_reference_parity import (
+    _target,
+    assert_rounds_equal_the_reference,
+    reference_config,
+)
 from test_sampling import (
     CONFIGS,
     PROMPT,
@@ -108,16 +112,8 @@ def test_dflash2_rounds_equal_the_reference_loop(tmp_path, monkeypatch):
                           selector_top_k=rng.choice([2, 5, 12]))
         ref = reference.DFlash2DraftModel.from_pretrained(directory, dtype=torch.float64).eval()
         ours = BlockDiffusionDrafter.from_pretrained(directory, dtype=torch.float64).eval()
-        prompt = torch.randint(1, VOCAB - 1, (1, rng.randint(2, 16)), generator=torch.Generator().manual_seed(case))
-        max_new = rng.randint(4, 40)
-        expected = reference.dflash_generate(ref, target, prompt, max_new, stop_token_ids=None, return_stats=True)
-        got = greedy_generate(target, prompt, max_new, None, assistant_model=ours)
-        plain = greedy_generate(target, prompt, max_new, None)
-        assert torch.equal(got, plain) and torch.equal(expected.output_ids, plain), case
-        committed = [a + 1 for a in ours.last_stats.accepted_per_round[1:]]
-        assert committed == expected.acceptance_lengths, (case, committed, expected.acceptance_lengths)
-        full += sum(c == block_size for c in committed)
-        partial += sum(1 < c < block_size for c in committed)
+        counts = assert_rounds_equal_the_reference(ref, ours, target, rng, case)
+        full, partial = full + counts[0], partial + counts[1]
     assert full >= 5 and partial >= 5, (full, partial)
 
 

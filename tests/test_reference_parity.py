@@ -138,17 +138,23 @@ def test_per_round_acceptance_equals_the_reference_loop(tmp_path, monkeypatch, t
         ref = reference.DFlashDraftModel.from_pretrained(directory, dtype=torch.float64).eval()
         ours = BlockDiffusionDrafter.from_pretrained(directory, dtype=torch.float64).eval()
         ref.block_size = ours.block_size = block_size
-        prompt = torch.randint(1, VOCAB - 1, (1, rng.randint(2, 16)), generator=torch.Generator().manual_seed(case))
-        max_new = rng.randint(4, 40)
-        expected = reference.dflash_generate(ref, target, prompt, max_new, stop_token_ids=None, return_stats=True)
-        got = greedy_generate(target, prompt, max_new, None, assistant_model=ours)
-        plain = greedy_generate(target, prompt, max_new, None)
-        assert torch.equal(got, plain) and torch.equal(expected.output_ids, plain), case
-        committed = [a + 1 for a in ours.last_stats.accepted_per_round[1:]]  # round 0 is the prefill
-        assert committed == expected.acceptance_lengths, (case, committed, expected.acceptance_lengths)
-        full += sum(c == block_size for c in committed)
-        partial += sum(1 < c < block_size for c in committed)
+        counts = assert_rounds_equal_the_reference(ref, ours, target, rng, case)
+        full, partial = full + counts[0], partial + counts[1]
     assert full >= 5 and partial >= 5, (full, partial)
+
+
+def assert_rounds_equal_the_reference(ref, ours, target, rng: random.Random, case: int) -> tuple[int, int]:
+    """One random prompt and length decoded greedily by `dflash_generate` and by ours: both equal plain
+    `generate`, round for round the same; returns the counts of fully and partly accepted rounds."""
+    prompt = torch.randint(1, VOCAB - 1, (1, rng.randint(2, 16)), generator=torch.Generator().manual_seed(case))
+    max_new = rng.randint(4, 40)
+    expected = reference.dflash_generate(ref, target, prompt, max_new, stop_token_ids=None, return_stats=True)
+    got = greedy_generate(target, prompt, max_new, None, assistant_model=ours)
+    plain = greedy_generate(target, prompt, max_new, None)
+    assert torch.equal(got, plain) and torch.equal(expected.output_ids, plain), case
+    committed = [a + 1 for a in ours.last_stats.accepted_per_round[1:]]  # round 0 is the prefill
+    assert committed == expected.acceptance_lengths, (case, committed, expected.acceptance_lengths)
+    return sum(c == ref.block_size for c in committed), sum(1 < c < ref.block_size for c in committed)
 
 
 def _edit_config(directory, edit) -> None:
