@@ -26,7 +26,8 @@ _TOP_LEVEL_FIELDS = ("block_size", "input_embedding_scale", "output_multiplier",
 
 def _gather_dflash_fields(config_dict: dict) -> None:
     """Put each DFlash field where this config keeps it, with the reference loader's precedence
-    (`dflash_config` over the top level): mask token and layer ids in `dflash_config`, the rest at the top."""
+    (`dflash_config` over the top level): mask token, layer ids and DFlash 2 sizes in `dflash_config`, the rest
+    at the top."""
     draft = dict(config_dict.get("dflash_config") or {})
     for name in _NESTED_FIELDS:
         top = config_dict.pop(name, None)

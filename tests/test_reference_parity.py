@@ -235,7 +235,7 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
 
     from hf_blockpilot.data import PromptRecord
     from hf_blockpilot.tools.reference_peer import (
-        compare_with_reference,
+        ReferencePeer,
         peer_markdown,
         summarize_peers,
     )
@@ -245,7 +245,7 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
     tokenizer = char_tokenizer(VOCAB)
     tokenizer.chat_template = None
     prompts = [PromptRecord(f"p{i}", "tiny", text) for i, text in enumerate(["abcab", "fedcbafe", "ghij"])]
-    runs = compare_with_reference(target, tokenizer, drafter, prompts, [2, 4], max_new_tokens=20, repeats=2)
+    runs = ReferencePeer(drafter).compare(target, tokenizer, prompts, [2, 4], max_new_tokens=20, repeats=2)
     assert len(runs) == 3 * 2 * 2
     for prompt in prompts:
         for b in (2, 4):

@@ -160,15 +160,14 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
 def cmd_import_policy(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..tools.policy_import import import_authors_policy
+    from ..tools.policy_import import import_authors_policy, read_authors_predictor
 
     if len(set(args.candidates)) != len(args.candidates):
         raise ValueError(f"--candidates {args.candidates}: one distinct block size per output class, in class order")
-    if not Path(args.checkpoint).is_file():  # before the models load
-        raise FileNotFoundError(f"no predictor checkpoint at {args.checkpoint}: pass the authors' model.pt")
+    predictor = read_authors_predictor(args.checkpoint)  # a missing or malformed file fails before the models load
     target, _, drafter = load_models(args)
     policy = import_authors_policy(
-        args.checkpoint, target, drafter, args.candidates,
+        predictor, target, drafter, args.candidates,
         target_name=args.target or target.name_or_path, drafter_name=args.drafter or drafter.name_or_path,
     )
     policy.save_pretrained(args.output)

@@ -20,13 +20,7 @@ from ..controllers import DraftController
 from ..data import load_prompts
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import MethodResult, decode_methods, summarize_methods
-from .reference_peer import (
-    compare_with_reference,
-    full_vocabulary_variant,
-    load_reference_drafter,
-    peer_markdown,
-    summarize_peers,
-)
+from .reference_peer import ReferencePeer, peer_markdown, summarize_peers
 
 
 def cpu_model() -> str:
@@ -86,8 +80,7 @@ def run_benchmark(
         "prompt_lookup": drafter.prompt_lookup,
         "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
     }, "runs": [], "reference": []}
-    if reference:
-        load_reference_drafter(full_vocabulary_variant(drafter))  # a missing package fails before any decoding
+    peer = ReferencePeer(drafter) if reference else None  # a missing package fails before any decoding
     for temperature in temperatures:
         for name in datasets:
             torch.manual_seed(0)
@@ -101,9 +94,9 @@ def run_benchmark(
                 "summary": summarize_methods(results),
                 "results": [asdict(r) for r in results],
             })
-            if reference:
-                peers = compare_with_reference(target, tokenizer, drafter, load_prompts(name, limit), block_sizes,
-                                               max_new_tokens, temperature, repeats)
+            if peer is not None:
+                peers = peer.compare(target, tokenizer, load_prompts(name, limit), block_sizes, max_new_tokens,
+                                     temperature, repeats)
                 report["reference"].append({"dataset": name, "temperature": temperature,
                                             "summary": summarize_peers(peers), "results": [asdict(r) for r in peers]})
     if output_dir is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -16,24 +18,33 @@ from ..data import PromptRecord, chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import SpeculationStats
 
+T = TypeVar("T")
+
+
+def timed_call(run: Callable[[], T], target: nn.Module, *drafters: nn.Module) -> tuple[T, float]:
+    """`run()` with wall time (device synchronised), under `cpu_verify_kernels(target, *drafters)` (faster
+    few-token forwards on CPU; one-token steps are unchanged); switching the kernels (a few ms) is not timed."""
+    cuda = next(target.parameters()).device.type == "cuda"
+    with cpu_verify_kernels(target, *drafters):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = run()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return out, seconds
+
 
 def timed_generate(
     target: PreTrainedModel, input_ids: torch.Tensor, drafter: BlockDiffusionDrafter | None = None, **kwargs
 ) -> tuple[torch.Tensor, float]:
-    """`generate` with wall time (device synchronised); `drafter=None` runs plain decoding.
-
-    Both run under `cpu_verify_kernels` (faster few-token forwards on CPU; one-token steps are unchanged);
-    switching the kernels in and out (a few ms) is not timed.
-    """
-    with cpu_verify_kernels(target, *([drafter] if drafter is not None else [])):
-        if input_ids.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter, **kwargs)
-        if input_ids.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return out, seconds
+    """`generate` with wall time (`timed_call`); `drafter=None` runs plain decoding."""
+    mask = torch.ones_like(input_ids)
+    return timed_call(
+        lambda: target.generate(input_ids, attention_mask=mask, assistant_model=drafter, **kwargs),
+        target, *([drafter] if drafter is not None else []),
+    )
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pickle
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -21,20 +22,25 @@ AUTHORS_CANDIDATES = (14, 15, 16, 17, 18)  # `k = pred + 14` in their predict.py
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(weight|bias)")
 
 
-def _read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+class AuthorsPredictor(NamedTuple):
+    """The authors' predictor as read from `path`: its state dict, checked to be in their layout, and depth."""
+
+    path: Path
+    state: dict[str, torch.Tensor]
+    depth: int
+
+
+def read_authors_predictor(path: str | Path) -> AuthorsPredictor:
+    """Read the authors' `model.pt` (tensors only: never runs pickled code) and check its layout."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no predictor checkpoint at {path}: pass the authors' model.pt")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: never runs pickled code
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:  # not a (tensor-only) torch file
         raise ValueError(f"{path} is not a readable torch state dict ({type(err).__name__}: {err})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors (the authors' MLP layout)")
-    return state
-
-
-def _checked_depth(state: dict[str, torch.Tensor], path: str | Path) -> int:
     layers = sorted({int(m.group(1)) for key in state if (m := _LAYER_KEY.fullmatch(key))})
     expected = {f"layers.{i}.{p}" for i in range(len(layers)) for p in ("weight", "bias")}
     expected |= {"fc_out.weight", "fc_out.bias"}
@@ -44,25 +50,26 @@ def _checked_depth(state: dict[str, torch.Tensor], path: str | Path) -> int:
             f"{path} is not in the BlockPilot predictor layout (layers.0..N.{{weight,bias}}, fc_out.{{weight,bias}}): "
             f"missing {missing or 'none'}, unexpected {extra or 'none'}"
         )
-    return len(layers)
+    return AuthorsPredictor(path, state, len(layers))
 
 
 def import_authors_policy(
-    path: str | Path,
+    checkpoint: str | Path | AuthorsPredictor,
     target: nn.Module,
     drafter: nn.Module | None = None,
     candidates: Sequence[int] = AUTHORS_CANDIDATES,
     target_name: str = "",
     drafter_name: str = "",
 ) -> BlockPilotPolicy:
-    """A `BlockPilotPolicy` (architecture `"last-logits-mlp"`) with the weights of the authors' `model.pt`.
+    """A `BlockPilotPolicy` (architecture `"last-logits-mlp"`) with the weights of the authors' `model.pt`
+    (a path, or what `read_authors_predictor` read from it).
 
     `target`: the model whose last-token logits it reads (its vocabulary must be the predictor's input width);
     `candidates`: the block size of each output class, in order; `drafter` (optional): recorded by fingerprint,
     so attaching the policy to another drafter warns. The checkpoint's dtype is kept (bf16 in their release).
     """
-    state = _read_state_dict(path)
-    depth = _checked_depth(state, path)
+    predictor = checkpoint if isinstance(checkpoint, AuthorsPredictor) else read_authors_predictor(checkpoint)
+    path, state, depth = predictor
     width, vocab = state["layers.0.weight"].shape
     target_vocab = target.get_output_embeddings().weight.shape[0]
     if vocab != target_vocab:

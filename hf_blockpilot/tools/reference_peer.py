@@ -12,7 +12,7 @@ from __future__ import annotations
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..controllers import DraftController
-from ..cpu_kernels import cpu_verify_kernels
 from ..data import PromptRecord, chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
+from .evaluation import timed_call
 
 REFERENCE_PACKAGE = "dflash==0.1.0"
 
@@ -112,16 +112,11 @@ def _stop_ids(target: PreTrainedModel) -> list[int] | None:
     return None if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def _timed(run, target: nn.Module, drafter: nn.Module) -> tuple[torch.Tensor, float, StageTimer]:
+def _timed(run: Callable[[], torch.Tensor], target: nn.Module, drafter: nn.Module) -> tuple[torch.Tensor, float, StageTimer]:
     timer = StageTimer(drafter=drafter, target=target)
-    with cpu_verify_kernels(target, drafter), timer.active():  # the same kernels on both sides
-        if next(target.parameters()).device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = run()
-        if next(target.parameters()).device.type == "cuda":
-            torch.cuda.synchronize()
-    return out, time.perf_counter() - start, timer
+    with timer.active():
+        out, seconds = timed_call(run, target, drafter)  # the same kernels on both sides
+    return out, seconds, timer
 
 
 def _ours(target, drafter, input_ids, block_size, max_new_tokens, temperature) -> torch.Tensor:
@@ -140,40 +135,47 @@ def _theirs(target, reference, input_ids, block_size, max_new_tokens, temperatur
                                temperature=temperature, block_size=block_size)
 
 
-@torch.inference_mode()
-def compare_with_reference(
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    drafter: BlockDiffusionDrafter,
-    prompts: Sequence[PromptRecord],
-    block_sizes: Sequence[int],
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    repeats: int = 1,
-) -> list[PeerRun]:
-    """Decode each prompt with ours and the reference at each block size (round-robin per repeat, median
-    kept); at T=0 both outputs are compared with plain greedy `generate`."""
-    ours = full_vocabulary_variant(drafter)
-    sides = {"hf-blockpilot": (_ours, ours), "dflash-reference": (_theirs, load_reference_drafter(ours))}
-    lookup, ours.prompt_lookup = ours.prompt_lookup, False  # the reference has no prompt lookup
-    try:
-        return _compare(target, tokenizer, sides, prompts, block_sizes, max_new_tokens, temperature, repeats)
-    finally:
-        ours.prompt_lookup = lookup
+class ReferencePeer:
+    """Ours and the reference side by side on `drafter`'s full-vocabulary weights; building it loads the
+    reference once (and fails at once when its package is missing)."""
 
+    def __init__(self, drafter: BlockDiffusionDrafter):
+        self.ours = full_vocabulary_variant(drafter)
+        self.sides = {"hf-blockpilot": (_ours, self.ours), "dflash-reference": (_theirs, load_reference_drafter(self.ours))}
 
-def _compare(target, tokenizer, sides, prompts, block_sizes, max_new_tokens, temperature, repeats) -> list[PeerRun]:
-    runs: list[PeerRun] = []
-    for record in tqdm(prompts, desc="ours vs reference", unit="prompt"):
+    @torch.inference_mode()
+    def compare(
+        self,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        prompts: Sequence[PromptRecord],
+        block_sizes: Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        repeats: int = 1,
+    ) -> list[PeerRun]:
+        """Decode each prompt with ours and the reference at each block size (round-robin per repeat, median
+        kept); at T=0 both outputs are compared with plain greedy `generate`. Prompt lookup is off on both sides
+        (the reference has none)."""
+        lookup, self.ours.prompt_lookup = self.ours.prompt_lookup, False
+        try:
+            return [run for record in tqdm(prompts, desc="ours vs reference", unit="prompt")
+                    for run in self._compare_one(target, tokenizer, record, block_sizes, max_new_tokens, temperature,
+                                                 repeats)]
+        finally:
+            self.ours.prompt_lookup = lookup
+
+    def _compare_one(self, target, tokenizer, record, block_sizes, max_new_tokens, temperature, repeats) -> list[PeerRun]:
         input_ids = chat_inputs(tokenizer, record.prompt, target.device)
         plain = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                                 do_sample=False)[0, input_ids.shape[1]:]
+        runs = []
         for b in block_sizes:
-            for decode, model in sides.values():  # one-time costs (lazy CUDA set-up) are not timed
+            for decode, model in self.sides.values():  # one-time costs (lazy CUDA set-up) are not timed
                 _timed(partial(decode, target, model, input_ids, b, 4, temperature), target, model)
-            timed: dict[str, list] = {name: [] for name in sides}
+            timed: dict[str, list] = {name: [] for name in self.sides}
             for _ in range(repeats):
-                for name, (decode, model) in sides.items():
+                for name, (decode, model) in self.sides.items():
                     run = partial(decode, target, model, input_ids, b, max_new_tokens, temperature)
                     timed[name].append(_timed(run, target, model))
             for name, results in timed.items():
@@ -184,7 +186,7 @@ def _compare(target, tokenizer, sides, prompts, block_sizes, max_new_tokens, tem
                     record.id, name, b, new.numel(), seconds, timer.calls["target"], timer.seconds["drafter"],
                     timer.seconds["target"], same,
                 ))
-    return runs
+        return runs
 
 
 def summarize_peers(runs: Sequence[PeerRun]) -> list[dict]:
