@@ -9,7 +9,6 @@ import sys
 import torch
 
 from ._common import (
-    prompt_text,
     CONTROLLERS,
     add_lookup_arg,
     add_model_args,
@@ -19,6 +18,7 @@ from ._common import (
     load_models,
     non_negative_float,
     positive_int,
+    prompt_text,
 )
 
 
