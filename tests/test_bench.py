@@ -33,6 +33,14 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
     table = (out / "results.md").read_text()
     assert "### humaneval, T=0" in table and "| b=4 |" in table and "| adaptive |" in table
     assert "per-round decision overhead" in table
+    # the rounds also on the shipped CPU cost model: every method modeled, the round oracle for each fixed b
+    assert report["settings"]["cost_model"]["device"] == "cpu"
+    greedy = report["runs"][0]["summary"]
+    assert all(row["modeled_speedup"] > 0 for row in greedy.values())
+    assert {m for m, row in greedy.items() if "round_oracle_speedup" in row} == {"b=2", "b=4"}
+    assert all(greedy[m]["round_oracle_speedup"] >= greedy[m]["modeled_speedup"] for m in ("b=2", "b=4"))
+    assert not any("round_oracle_speedup" in row for row in report["runs"][2]["summary"].values())  # T = 1
+    assert "per-round oracle, modeled" in table
     for name in ("speedup.png", "block_sizes.png", "tau.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "| oracle |" in capsys.readouterr().out
@@ -82,3 +90,24 @@ def test_bench_reference_without_the_package_is_a_clear_error(tmp_path, monkeypa
                  "--output-dir", str(tmp_path / "bench")])
     assert code == 2 and "pip install --no-deps dflash==0.1.0" in capsys.readouterr().err
     assert not (tmp_path / "bench" / "results.json").exists()  # failed before decoding anything
+
+
+def test_bench_cost_model_file_is_used_and_a_missing_one_fails_first(tmp_path, capsys):
+    import pytest
+
+    from hf_blockpilot.costs import CostModel
+
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    common = ["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
+              "--datasets", "humaneval", "--limit", "1", "--block-sizes", "2", "--temperatures", "0",
+              "--max-new-tokens", "4", "--repeats", "1"]
+    code = main(common + ["--cost-model", str(tmp_path / "absent.json"), "--output-dir", str(tmp_path / "none")])
+    assert code == 2 and "hf-blockpilot measure-cost" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()  # failed before loading or decoding anything
+    cost = CostModel(target_ms={1: 7.0, 2: 9.0, 16: 30.0}, drafter_ms={2: 1.0, 16: 5.0}, device="my-device")
+    cost.save(tmp_path / "cost.json")
+    assert main(common + ["--cost-model", str(tmp_path / "cost.json"), "--output-dir", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert CostModel.from_dict(report["settings"]["cost_model"]) == cost
+    (plain,) = [r for r in report["runs"][0]["results"] if r["method"] == "plain"]
+    assert plain["modeled_seconds"] == pytest.approx(plain["new_tokens"] * 7.0 / 1000)  # on the file's clock

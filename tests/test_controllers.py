@@ -23,6 +23,7 @@ from hf_blockpilot.controllers import (
     expected_committed,
 )
 from hf_blockpilot.costs import CostModel
+from hf_blockpilot.stats import SpeculationStats
 
 VOCAB, HIDDEN = 48, 64
 
@@ -202,6 +203,57 @@ def test_greedy_identical_with_controllers_over_randomized_cases():
             seen["truncated"] += drafted < width - 1 and room > width
         seen["lookup"] += stats.lookup_rounds
     assert all(count >= 10 for count in seen.values()), seen
+
+
+def test_round_oracle_takes_the_cheapest_verify_that_commits_the_same_tokens():
+    """Per round: the drafting cost at its width plus the cheapest verify of at least the accepted drafts
+    (verify latency need not grow with the count: here 4 tokens cost less than 3)."""
+    cost = CostModel(target_ms={1: 10.0, 2: 12.0, 3: 30.0, 4: 14.0, 8: 40.0}, drafter_ms={4: 2.0, 8: 3.0})
+    stats = SpeculationStats(widths_per_round=[1, 4, 4, 4, 8, 4], drafted_per_round=[0, 3, 3, 3, 7, 2],
+                             accepted_per_round=[0, 0, 2, 3, 1, 2])
+    # prefill; a=0 -> 1 token; a=2 -> 4 tokens beat 3; a=3 -> all; a=1 of 7 -> 2 tokens; a=2 of 2 -> 3 tokens
+    expected = 10 + (2 + 10) + (2 + 14) + (2 + 14) + (3 + 12) + (2 + 30)
+    assert cost.round_oracle_ms(stats) == pytest.approx(expected)
+    assert cost.round_oracle_ms(stats) < cost.modeled_decode_ms(stats)
+    assert cost.modeled_plain_ms(5) == 50.0 and cost.modeled_plain_ms(5, temperature=1.0) == 50.0  # no rows timed
+
+
+def test_a_clairvoyant_verify_budget_attains_the_round_oracle():
+    """Replaying a fixed-b run's accepted counts as the verify budget keeps the output and every round, and its
+    modeled time is the round oracle's: the bound is attainable, so it is the right ceiling to report."""
+
+    class Replay(DraftController):
+        def __init__(self, accepted):
+            super().__init__(6)
+            self.accepted = accepted
+
+        def num_to_verify(self, drafted):
+            return self.accepted[len(self.seen)]
+
+        def reset(self):
+            super().reset()
+            self.seen = []  # rounds observed so far (round 0 is the prefill)
+
+        def observe(self, verified, accepted):
+            self.seen.append(accepted)
+
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, seed=3)
+    prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    expected = greedy_generate(target, prompt, 40, None)
+    drafter = ScriptedDrafter.from_target(target, block_size=6).eval()
+    drafter.rig(target, expected, error_rate=0.3, seed=3, by_position=True)  # the same drafts at a position
+    cost = _cost({1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}, drafter_ms=3.0)
+    assert torch.equal(greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=6), expected)
+    fixed = drafter.last_stats
+    assert 0 < sum(fixed.accepted_per_round) < sum(fixed.drafted_per_round)  # partial acceptance occurred
+    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter,
+                          draft_controller=Replay(fixed.accepted_per_round))
+    assert torch.equal(out, expected)
+    clairvoyant = drafter.last_stats
+    assert clairvoyant.accepted_per_round == clairvoyant.drafted_per_round == fixed.accepted_per_round
+    assert clairvoyant.widths_per_round == fixed.widths_per_round
+    assert cost.modeled_decode_ms(clairvoyant) == pytest.approx(cost.round_oracle_ms(fixed))
+    assert cost.round_oracle_ms(fixed) < cost.modeled_decode_ms(fixed)
 
 
 def test_policy_width_under_adaptive_verify():

@@ -1,14 +1,15 @@
-"""`measure_tau` pools the real decoding statistics; `decode_methods` times only warmed-up paths, round-robin."""
+"""`measure_tau` pools the real decoding statistics; `decode_methods` times only warmed-up paths, round-robin,
+and on the cost model's clock when given one."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
-from hf_blockpilot.data import PromptRecord
-from hf_blockpilot.data import chat_inputs
+from hf_blockpilot.data import PromptRecord, chat_inputs
 from hf_blockpilot.tools.evaluation import decode_methods, measure_tau
 
 
@@ -101,3 +102,53 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
     assert order == ["plain", "b=2", "b=4", "policy"] * 3  # round-robin, not all repeats of one method in a row
     assert [r.method for r in results] == ["plain", "b=2", "b=4", "policy"]
     assert all(r.identical_to_plain for r in results)
+
+
+def test_decode_methods_times_every_method_on_the_cost_model_too(monkeypatch):
+    """With a cost model each result carries its rounds' modeled time, each fixed b the per-round oracle's, and
+    the summary compares them on that clock (the per-prompt oracle picking by modeled time)."""
+    from hf_blockpilot.controllers import AdaptiveVerify
+    from hf_blockpilot.costs import CostModel
+    from hf_blockpilot.tools import evaluation
+
+    target, tokenizer, prompts, drafter = _toy_decoding_setup()
+    prompts = prompts + [PromptRecord("p1", "toy", "cabbage")]
+    cost = CostModel(target_ms={1: 10.0, 2: 11.0, 4: 13.0}, drafter_ms={2: 1.0, 4: 2.0})
+    stats = {}
+    real = evaluation.method_result
+
+    def keep_stats(prompt_id, method, out, prompt_tokens, seconds, stats_, *args, **kwargs):
+        stats[prompt_id, method] = stats_
+        return real(prompt_id, method, out, prompt_tokens, seconds, stats_, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "method_result", keep_stats)
+    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(2, 4), max_new_tokens=6,
+                             controllers={"adaptive": AdaptiveVerify(4, cost_model=cost)}, cost_model=cost)
+    for r in results:
+        s = stats[r.prompt_id, r.method]
+        if r.method == "plain":
+            assert r.modeled_seconds == pytest.approx(r.new_tokens * 10.0 / 1000) and r.round_oracle_seconds is None
+            continue
+        assert r.modeled_seconds == pytest.approx(cost.modeled_decode_ms(s) / 1000)
+        if r.method.startswith("b="):
+            assert r.round_oracle_seconds == pytest.approx(cost.round_oracle_ms(s) / 1000)
+            assert r.round_oracle_seconds <= r.modeled_seconds
+        else:
+            assert r.round_oracle_seconds is None
+    summary = evaluation.summarize_methods(results)
+
+    def speedup(rows, clock):
+        plain = [r for r in results if r.method == "plain"]
+        return (sum(r.new_tokens for r in rows) / sum(getattr(r, clock) for r in rows)) / (
+            sum(r.new_tokens for r in plain) / sum(r.modeled_seconds for r in plain))
+
+    for method in ("b=2", "b=4", "adaptive"):
+        rows = [r for r in results if r.method == method]
+        assert summary[method]["modeled_speedup"] == pytest.approx(speedup(rows, "modeled_seconds"))
+    assert summary["b=4"]["round_oracle_speedup"] == pytest.approx(
+        speedup([r for r in results if r.method == "b=4"], "round_oracle_seconds"))
+    assert "round_oracle_speedup" not in summary["adaptive"]
+    best = [min((r for r in results if r.prompt_id == p and (r.method == "plain" or r.method.startswith("b="))),
+                key=lambda r: r.modeled_seconds) for p in ("p0", "p1")]
+    assert summary["oracle"]["modeled_speedup"] == pytest.approx(speedup(best, "modeled_seconds"))
+    assert summary["plain"]["modeled_speedup"] == 1.0

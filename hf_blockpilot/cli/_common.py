@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,8 +14,9 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from ...controllers import AcceptanceModel, DraftController
-    from ...modeling_block_diffusion import BlockDiffusionDrafter
+    from ..controllers import AcceptanceModel, DraftController
+    from ..costs import CostModel
+    from ..modeling_block_diffusion import BlockDiffusionDrafter
 
 
 def positive_int(text: str) -> int:
@@ -111,13 +113,16 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTo
         drafter.set_policy(resolve_policy(choice, device=args.device, prompt_lookup=drafter.prompt_lookup))
     return target, tokenizer, drafter
 
+
 CONTROLLERS = ("adaptive", "fixed", "heuristic", "ema", "entropy")
+
 
 def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int | None) -> DraftController:
     """The `--controller` of a command: `block_size` (if given) replaces the drafter's policy as the width."""
     from ..controllers import (
         AcceptanceEMA,
         AdaptiveVerify,
+        DraftController,
         EntropyStop,
         HeuristicSchedule,
         PolicyBlockSize,
@@ -130,6 +135,7 @@ def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int 
     if name == "fixed":
         return PolicyBlockSize(policy) if policy is not None else DraftController(width)
     return {"heuristic": HeuristicSchedule, "ema": AcceptanceEMA, "entropy": EntropyStop}[name](max_block_size=width)
+
 
 def load_acceptance_model(source: str) -> AcceptanceModel:
     """An acceptance model from a JSON file (`acceptance_model.json`) or a policy directory that carries one."""
@@ -146,6 +152,17 @@ def load_acceptance_model(source: str) -> AcceptanceModel:
     if not path.is_file():
         raise FileNotFoundError(f"no acceptance model at {source}: pass an acceptance_model.json or a policy directory")
     return AcceptanceModel.from_dict(json.loads(path.read_text()))
+
+def load_cost_model(source: str | os.PathLike[str]) -> CostModel:
+    """A cost model from its JSON file, or a FileNotFoundError saying how to measure one."""
+    from pathlib import Path
+
+    from ..costs import CostModel
+
+    if not Path(source).is_file():
+        raise FileNotFoundError(f"no cost model at {source}: measure one with `hf-blockpilot measure-cost --output {source}`")
+    return CostModel.load(source)
+
 
 def shard_of(args: argparse.Namespace) -> tuple[int, int]:
     """(shard, num_shards): from `accelerate launch` / torchrun (RANK, WORLD_SIZE) when set, else the flags."""

@@ -11,6 +11,7 @@ from ._common import (
     add_model_args,
     block_size_arg,
     load_acceptance_model,
+    load_cost_model,
     load_models,
     non_negative_float,
     positive_int,
@@ -55,9 +56,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
               f"replay {check['speedup']:.1f}x faster than decoding once per b")
         if check["equal"] != check["checked"]:
             return 1
-    from ..costs import CostModel
-
-    cost = CostModel.load(cost_path) if cost_path.exists() else None
+    cost = load_cost_model(cost_path) if cost_path.exists() else None
     acceptance = load_acceptance_model(args.acceptance_model) if args.acceptance_model else None
     path = collect_oracle_labels(
         target, tokenizer, drafter, prompts, args.output_dir, args.candidates, args.feature_layers,
@@ -72,19 +71,17 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..training.oracle import read_oracle_labels
-    from ..training.policy_training import CostModel, PolicyTrainingConfig, train_policy
+    from ..training.policy_training import PolicyTrainingConfig, train_policy
 
     labels = Path(args.labels)
     if not (labels / "manifest.json").is_file():
         raise FileNotFoundError(f"no labels in {labels} (no manifest.json): collect them first with "
                                 f"`hf-blockpilot collect --output-dir {labels}`")
     manifest = json.loads((labels / "manifest.json").read_text())
+    cost_path = Path(args.cost_model) if args.cost_model else labels / "cost_model.json"
+    cost = load_cost_model(cost_path) if args.cost_model or cost_path.exists() else None
     target, _, drafter = load_models(args)
     records = read_oracle_labels(labels)
-    cost_path = Path(args.cost_model) if args.cost_model else labels / "cost_model.json"
-    if args.cost_model and not cost_path.is_file():
-        raise SystemExit(f"no cost model at {cost_path}: measure one with `hf-blockpilot measure-cost --output {cost_path}`")
-    cost = CostModel.load(cost_path) if cost_path.exists() else None
     missing_costs = sorted(set(args.candidates or manifest["candidates"]) - set(cost.target_ms)) if cost else []
     if missing_costs:
         raise SystemExit(f"the cost model {cost_path} has no latency for block sizes {missing_costs}; measure them "

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import __version__
 from ..controllers import DraftController
+from ..costs import CostModel
 from ..data import load_prompts
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import MethodResult, decode_methods, summarize_methods
@@ -68,17 +69,21 @@ def run_benchmark(
     output_dir: str | Path | None = None,
     controllers: Mapping[str, DraftController] | None = None,
     reference: bool = False,
+    cost_model: CostModel | None = None,
 ) -> dict:
     """Decode every prompt of every dataset with every method (plain, each fixed b, the policy, each named
     controller) at every temperature; summarize and save.
 
     `reference`: also decode with the DFlash authors' loop side by side with ours at each fixed b
-    (`tools.reference_peer`; needs `pip install --no-deps dflash==0.1.0`)."""
+    (`tools.reference_peer`; needs `pip install --no-deps dflash==0.1.0`). `cost_model`: also time every
+    method's rounds on the device's cost model (noise-free, decision overhead excluded) and, per fixed b at T = 0,
+    the per-round verify oracle: how fast any per-round verify budget at that width could be."""
     report: dict = {"machine": machine_info(target.device), "settings": {
         "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
         "prompt_lookup": drafter.prompt_lookup,
         "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
+        "cost_model": cost_model.to_dict() if cost_model is not None else None,
     }, "runs": [], "reference": []}
     peer = ReferencePeer(drafter) if reference else None  # a missing package fails before any decoding
     for temperature in temperatures:
@@ -86,7 +91,7 @@ def run_benchmark(
             torch.manual_seed(0)
             results = decode_methods(
                 target, tokenizer, drafter, load_prompts(name, limit), block_sizes, policy, max_new_tokens, repeats,
-                temperature, controllers,
+                temperature, controllers, cost_model,
             )
             report["runs"].append({
                 "dataset": name,
@@ -109,26 +114,40 @@ def run_benchmark(
 
 
 def markdown_report(report: dict) -> str:
-    """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead."""
+    """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead; with a
+    cost model, the modeled speedup and (fixed b, T = 0) the per-round verify oracle's."""
     lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_threads']} threads, "
              f"device {report['machine']['device']}, torch {report['machine']['torch']}, "
              f"transformers {report['machine']['transformers']}."
              + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""), ""]
     for run in report["runs"]:
+        modeled = any("modeled_speedup" in row for row in run["summary"].values())
+        extra = " modeled speedup | per-round oracle, modeled |" if modeled else ""
         lines += [f"### {run['dataset']}, T={run['temperature']:g}", "",
                   "| method | tokens/s | speedup | τ | drafts verified / round | greedy mismatches | policy overhead "
-                  "| per-round decision overhead |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| per-round decision overhead |" + extra,
+                  "|---|---|---|---|---|---|---|---|" + ("---|---|" if modeled else "")]
         for method, row in run["summary"].items():
             mismatches = row["mismatches"] if run["temperature"] == 0 else "n/a"
-            lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
-                         f"{row.get('verified_per_round', 0.0):.2f} | {mismatches} | {100 * row['policy_overhead']:.2f}% | "
-                         f"{100 * row.get('controller_overhead', 0.0):.2f}% |")
+            line = (f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
+                    f"{row.get('verified_per_round', 0.0):.2f} | {mismatches} | {100 * row['policy_overhead']:.2f}% | "
+                    f"{100 * row.get('controller_overhead', 0.0):.2f}% |")
+            if modeled:
+                line += f" {_ratio(row.get('modeled_speedup'))} | {_ratio(row.get('round_oracle_speedup'))} |"
+            lines.append(line)
         lines.append("")
+        if modeled:
+            lines += ["Modeled: the same rounds timed by the cost model in the settings (no host noise, decision "
+                      "overhead excluded). Per-round oracle: each round of that fixed b verifying only the drafts the "
+                      "target accepted, the bound on any per-round verify budget at that width.", ""]
     for run in report.get("reference", []):
         lines += [f"### {run['dataset']}, T={run['temperature']:g}: ours vs the reference loop (`dflash_generate`), "
                   "the drafter's full-vocabulary variant on both sides", "", peer_markdown(run["summary"]), ""]
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
 
 
 def plot_report(report: dict, output_dir: Path) -> list[Path]:

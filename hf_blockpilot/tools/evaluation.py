@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..controllers import BlockSizePolicy, DraftController, PolicyBlockSize
+from ..costs import CostModel
 from ..cpu_kernels import cpu_verify_kernels
 from ..data import PromptRecord, chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
@@ -104,6 +105,8 @@ class MethodResult:
     committed_in_draft_rounds: int = 0  # tokens those rounds committed (accepted drafts + bonus)
     verified_drafts: int = 0  # drafts sent to the target, all rounds
     drafted_slots: int = 0  # slots the drafter drafted (or lookup copied), all rounds
+    modeled_seconds: float | None = None  # the same rounds timed by the device's cost model (no host noise)
+    round_oracle_seconds: float | None = None  # fixed b at T = 0: the per-round verify oracle, modeled
 
     @property
     def tokens_per_second(self) -> float:
@@ -122,12 +125,14 @@ def decode_methods(
     repeats: int = 1,
     temperature: float = 0.0,
     controllers: Mapping[str, DraftController] | None = None,
+    cost_model: CostModel | None = None,
 ) -> list[MethodResult]:
     """Decode each prompt with plain `generate`, each fixed block size, the policy (if given) and each named
     controller, every one passed per call as `draft_controller` (the drafter itself is left untouched).
 
     Real end-to-end decoding (no recorded lookups); time is the median over `repeats`, taken round-robin over
-    the methods; at T=0 every output is compared with plain `generate`.
+    the methods; at T=0 every output is compared with plain `generate`. With a `cost_model`, every result also
+    carries its rounds' modeled time, and each fixed b at T=0 the modeled time of the per-round verify oracle.
     """
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
     if temperature > 0:
@@ -163,7 +168,8 @@ def decode_methods(
             seconds, out, stats = runs[name][len(runs[name]) // 2]
             if name == "plain":
                 plain = out
-            results.append(method_result(record.id, name, out, input_ids.shape[1], seconds, stats, plain, temperature))
+            results.append(method_result(record.id, name, out, input_ids.shape[1], seconds, stats, plain, temperature,
+                                         cost_model, fixed=name.startswith("b=")))
     return results
 
 
@@ -176,9 +182,17 @@ def method_result(
     stats: SpeculationStats | None,
     plain: torch.Tensor | None,
     temperature: float,
+    cost_model: CostModel | None = None,
+    fixed: bool = False,
 ) -> MethodResult:
-    """One decoded prompt as a `MethodResult` (`stats=None`: plain decoding)."""
+    """One decoded prompt as a `MethodResult` (`stats=None`: plain decoding); `fixed`: a fixed block size, whose
+    greedy rounds give the per-round verify oracle's modeled time."""
     new_tokens = out.shape[1] - prompt_tokens
+    modeled = oracle = None
+    if cost_model is not None:
+        modeled = (cost_model.modeled_decode_ms(stats, temperature) if stats else
+                   cost_model.modeled_plain_ms(new_tokens, temperature)) / 1000
+        oracle = cost_model.round_oracle_ms(stats) / 1000 if fixed and stats and temperature == 0 else None
     return MethodResult(
         prompt_id=prompt_id,
         method=method,
@@ -194,6 +208,8 @@ def method_result(
         committed_in_draft_rounds=sum(stats.committed_per_draft_round) if stats else 0,
         verified_drafts=sum(stats.drafted_per_round) if stats else 0,
         drafted_slots=sum(w - 1 for w in stats.widths_per_round) if stats else 0,
+        modeled_seconds=modeled,
+        round_oracle_seconds=oracle,
     )
 
 
@@ -202,7 +218,9 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
 
     The oracle picks, per prompt, the fastest measured of plain decoding (b = 1, speculation off) and each
     fixed block size. `overhead`: the policy's and the per-round controller's decision time, as a share of
-    generation time.
+    generation time. Where the results carry modeled times (`decode_methods(cost_model=...)`): the same
+    figures on the cost model's clock, `modeled_speedup` (the oracle then picks by modeled time) and, per fixed
+    b at T = 0, `round_oracle_speedup`: the per-round verify oracle at that width (`CostModel.round_oracle_ms`).
     """
     by_method: dict[str, list[MethodResult]] = {}
     for r in results:
@@ -217,10 +235,17 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
     if oracle:
         by_method["oracle"] = oracle
 
-    def pooled(rows: list[MethodResult]) -> float:
-        return sum(r.new_tokens for r in rows) / max(sum(r.seconds for r in rows), 1e-9)
+    def pooled(rows: list[MethodResult], clock: str = "seconds") -> float | None:
+        times = [getattr(r, clock) for r in rows]
+        return None if None in times else sum(r.new_tokens for r in rows) / max(sum(times), 1e-9)
+
+    def modeled_oracle() -> list[MethodResult]:
+        rows = [r for r in results if r.method in fixed]
+        return [min((r for r in rows if r.prompt_id == p), key=lambda r: r.modeled_seconds)
+                for p in dict.fromkeys(r.prompt_id for r in rows)]
 
     plain_tps = pooled(by_method["plain"])
+    plain_modeled = pooled(by_method["plain"], "modeled_seconds")
     summary = {}
     for method, rows in by_method.items():
         tps = pooled(rows)
@@ -233,4 +258,10 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
             "controller_overhead": sum(r.controller_seconds for r in rows) / max(sum(r.seconds for r in rows), 1e-9),
             "verified_per_round": sum(r.verified_drafts for r in rows) / max(sum(r.draft_rounds for r in rows), 1),
         }
+        if plain_modeled is not None:
+            modeled = pooled(modeled_oracle() if method == "oracle" else rows, "modeled_seconds")
+            summary[method]["modeled_speedup"] = modeled / plain_modeled if modeled is not None else None
+            round_oracle = pooled(rows, "round_oracle_seconds") if method.startswith("b=") else None
+            if round_oracle is not None:
+                summary[method]["round_oracle_speedup"] = round_oracle / plain_modeled
     return summary
