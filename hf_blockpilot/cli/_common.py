@@ -153,6 +153,7 @@ def load_acceptance_model(source: str) -> AcceptanceModel:
         raise FileNotFoundError(f"no acceptance model at {source}: pass an acceptance_model.json or a policy directory")
     return AcceptanceModel.from_dict(json.loads(path.read_text()))
 
+
 def load_cost_model(source: str | os.PathLike[str]) -> CostModel:
     """A cost model from its JSON file, or a FileNotFoundError saying how to measure one."""
     from pathlib import Path
@@ -166,6 +167,4 @@ def load_cost_model(source: str | os.PathLike[str]) -> CostModel:
 
 def shard_of(args: argparse.Namespace) -> tuple[int, int]:
     """(shard, num_shards): from `accelerate launch` / torchrun (RANK, WORLD_SIZE) when set, else the flags."""
-    import os
-
     return int(os.environ.get("RANK", args.shard)), int(os.environ.get("WORLD_SIZE", args.num_shards))

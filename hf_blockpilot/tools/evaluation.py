@@ -219,30 +219,25 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
     The oracle picks, per prompt, the fastest measured of plain decoding (b = 1, speculation off) and each
     fixed block size. `overhead`: the policy's and the per-round controller's decision time, as a share of
     generation time. Where the results carry modeled times (`decode_methods(cost_model=...)`): the same
-    figures on the cost model's clock, `modeled_speedup` (the oracle then picks by modeled time) and, per fixed
+    figures on the cost model's clock, `modeled_speedup` (the oracle then picks by modeled tokens/s) and, per fixed
     b at T = 0, `round_oracle_speedup`: the per-round verify oracle at that width (`CostModel.round_oracle_ms`).
     """
     by_method: dict[str, list[MethodResult]] = {}
     for r in results:
         by_method.setdefault(r.method, []).append(r)
-    fixed = ["plain"] + [m for m in by_method if m.startswith("b=")]
-    oracle = []
-    for prompt_id in dict.fromkeys(r.prompt_id for r in results):
-        rows = [r for r in results if r.prompt_id == prompt_id and r.method in fixed]
-        if rows:
-            best = max(rows, key=lambda r: r.tokens_per_second)
-            oracle.append(MethodResult(**{**best.__dict__, "method": "oracle"}))
-    if oracle:
-        by_method["oracle"] = oracle
+    fixed = [r for r in results if r.method == "plain" or r.method.startswith("b=")]
+
+    def fastest_per_prompt(clock: str) -> list[MethodResult]:
+        """Per prompt, the fixed method (plain or a fixed b) with the most tokens per second on `clock`."""
+        return [max((r for r in fixed if r.prompt_id == p), key=lambda r: r.new_tokens / max(getattr(r, clock), 1e-9))
+                for p in dict.fromkeys(r.prompt_id for r in fixed)]
+
+    if fixed:
+        by_method["oracle"] = [MethodResult(**{**r.__dict__, "method": "oracle"}) for r in fastest_per_prompt("seconds")]
 
     def pooled(rows: list[MethodResult], clock: str = "seconds") -> float | None:
         times = [getattr(r, clock) for r in rows]
         return None if None in times else sum(r.new_tokens for r in rows) / max(sum(times), 1e-9)
-
-    def modeled_oracle() -> list[MethodResult]:
-        rows = [r for r in results if r.method in fixed]
-        return [min((r for r in rows if r.prompt_id == p), key=lambda r: r.modeled_seconds)
-                for p in dict.fromkeys(r.prompt_id for r in rows)]
 
     plain_tps = pooled(by_method["plain"])
     plain_modeled = pooled(by_method["plain"], "modeled_seconds")
@@ -259,7 +254,7 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
             "verified_per_round": sum(r.verified_drafts for r in rows) / max(sum(r.draft_rounds for r in rows), 1),
         }
         if plain_modeled is not None:
-            modeled = pooled(modeled_oracle() if method == "oracle" else rows, "modeled_seconds")
+            modeled = pooled(fastest_per_prompt("modeled_seconds") if method == "oracle" else rows, "modeled_seconds")
             summary[method]["modeled_speedup"] = modeled / plain_modeled if modeled is not None else None
             round_oracle = pooled(rows, "round_oracle_seconds") if method.startswith("b=") else None
             if round_oracle is not None:
