@@ -16,25 +16,25 @@ ASSETS = Path(__file__).parent / "assets"
 
 @dataclass
 class CostModel:
-    """Latency (ms) of one verify round per block size: a target forward over b tokens + a drafter forward,
-    plus, when sampling, the work on vocabulary-sized rows of logits (processors, softmax, draws).
+    """Latency (ms) of speculative rounds: target forwards over n tokens, drafter forwards over b slots, and,
+    when sampling, the work on vocabulary-sized rows of logits.
 
     `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one
     drafter forward over a block of b slots. Sizes between measured ones are interpolated linearly; sizes past
-    the largest measured one extend its last slope.
+    the largest measured one extend its last slope. At T>0, `sampling_process_ms` is the logits processors and
+    a softmax on one row, `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
 
     target_ms: dict[int, float]
     drafter_ms: dict[int, float]
     device: str = "cpu"
     context_tokens: int = 0
-    sampling_row_ms: float = 0.0  # logits processors + softmax + one draw on one vocabulary-sized row, at T>0
+    sampling_process_ms: float = 0.0
+    sampling_draw_ms: float = 0.0
 
     def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
-        """At T>0 a round handles 2b - 1 rows: b - 1 drafts are processed and drawn, the target's b rows are
-        processed and its acceptance test takes softmaxes of both (plain sampling: one row per token)."""
-        ms = self.target_ms[block_size] + (self.drafter_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
-        return ms + (2 * block_size - 1) * self.sampling_row_ms if temperature > 0 else ms
+        """A round that drafts `block_size` slots and verifies every draft (b = 1: a plain decoding step)."""
+        return self.modeled_round_ms(block_size, block_size - 1, temperature)
 
     def verify_ms(self, num_tokens: int) -> float:
         """A target forward over `num_tokens` tokens (interpolated between measured sizes)."""
@@ -45,10 +45,15 @@ class CostModel:
         return _interpolate(self.drafter_ms, block_size) if block_size > 1 and self.drafter_ms else 0.0
 
     def modeled_round_ms(self, width: int, verified: int, temperature: float = 0.0) -> float:
-        """A round that drafts `width` slots (1: none) and sends `verified` drafts to the target; at T>0 plus
-        the 2k + 1 vocabulary rows it processes."""
-        rows = (2 * verified + 1) * self.sampling_row_ms if temperature > 0 else 0.0
-        return self.draft_ms(width) + self.verify_ms(verified + 1) + rows
+        """A round that drafts `width` slots (1: none) and sends `verified` drafts to the target.
+
+        At T>0 it also processes 2k + 1 rows (k drafts, the target's k + 1 rows) and makes k + 1 draws (the k
+        drafts, then the target's one token: a resample or the bonus); a plain sampling step is one of each.
+        """
+        ms = self.draft_ms(width) + self.verify_ms(verified + 1)
+        if temperature > 0:
+            ms += (2 * verified + 1) * self.sampling_process_ms + (verified + 1) * self.sampling_draw_ms
+        return ms
 
     def modeled_decode_ms(self, stats: SpeculationStats, temperature: float = 0.0) -> float:
         """The modeled time of a whole request from its per-round statistics (the prefill counted as one
@@ -87,9 +92,13 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, raw: dict) -> CostModel:
+        """Also reads files written before draws were timed apart: their `sampling_row_ms` (processing and a
+        draw together) is charged per processed row, as it was then."""
         raw = dict(raw)
         raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
+        if "sampling_row_ms" in raw:
+            raw["sampling_process_ms"] = raw.pop("sampling_row_ms")
         if 1 not in raw["target_ms"]:
             raise ValueError("a cost model needs target_ms[1], the latency of a plain decoding step")
         return cls(**raw)

@@ -44,11 +44,12 @@ def test_objectives_and_the_cost_model():
     assert values == pytest.approx([1000 * record.tau[1] / 50, 1000 * record.tau[4] / 110, 1000 * record.tau[8] / 140])
     with pytest.raises(ValueError, match="cost model"):
         objective_values(record, CANDIDATES, "throughput", None)
-    cost.sampling_row_ms = 2.0  # at T>0 a round of b also handles 2b - 1 sampled rows
+    # at T>0 a round of b also processes 2b - 1 vocabulary rows and makes b draws
+    cost.sampling_process_ms, cost.sampling_draw_ms = 0.5, 2.0
     assert objective_values(record, CANDIDATES, "throughput", cost) == pytest.approx(values)
     hot = replace(record, temperature=1.0)
     assert objective_values(hot, CANDIDATES, "throughput", cost) == pytest.approx(
-        [1000 * record.tau[1] / 52, 1000 * record.tau[4] / 124, 1000 * record.tau[8] / 170]
+        [1000 * record.tau[1] / 52.5, 1000 * record.tau[4] / 121.5, 1000 * record.tau[8] / 163.5]
     )
 
 
@@ -83,7 +84,17 @@ def test_measure_cost_model_on_a_tiny_pair():
     assert set(cost.target_ms) == {1, 4} and set(cost.drafter_ms) == {4}
     assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
     assert cost.round_ms(1) == cost.target_ms[1]
-    assert cost.sampling_row_ms > 0 and cost.round_ms(4, temperature=1.0) == cost.round_ms(4) + 7 * cost.sampling_row_ms
+    assert cost.sampling_process_ms > 0 and cost.sampling_draw_ms > 0
+    sampled = 7 * cost.sampling_process_ms + 4 * cost.sampling_draw_ms
+    assert cost.round_ms(4, temperature=1.0) == pytest.approx(cost.round_ms(4) + sampled)
+
+
+def test_cost_models_written_before_draws_were_timed_apart_load_as_they_were_charged():
+    old = {"target_ms": {"1": 50.0, "4": 100.0}, "drafter_ms": {"4": 10.0}, "sampling_row_ms": 2.0}
+    cost = CostModel.from_dict(old)
+    assert (cost.sampling_process_ms, cost.sampling_draw_ms) == (2.0, 0.0)
+    assert cost.round_ms(4, temperature=1.0) == pytest.approx(110.0 + 7 * 2.0)  # 2b - 1 rows, as before
+    assert CostModel.from_dict(cost.to_dict()) == cost
 
 
 def test_compare_objectives_shows_where_they_disagree():

@@ -123,6 +123,8 @@ def cmd_measure_cost(args: argparse.Namespace) -> int:
     for b in sizes:
         print(f"b={b}: round {cost.round_ms(b):.2f} ms = {cost.round_ms(b) / plain:.2f} plain steps "
               f"(at T>0: {cost.round_ms(b, 1.0):.2f} ms)")
+    print(f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, {cost.sampling_draw_ms:.2f} ms "
+          "per draw")
     print(f"cost model written to {args.output}")
     return 0
 

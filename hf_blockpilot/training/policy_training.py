@@ -51,7 +51,7 @@ def measure_cost_model(
     repeats: int = 5,
 ) -> CostModel:
     """Time target and drafter forwards for each block size over a `context_tokens`-long cached context, and
-    the sampling work on one row of logits (the target's own sampling processors at T=1).
+    the sampling work on one row of logits (the target's own sampling processors at T=1, and one draw).
 
     Timed as `generate` runs them in this package's tools: under `cpu_verify_kernels` (see `cpu_kernels`).
     """
@@ -107,20 +107,25 @@ def _measure_cost_model(
 
     processors = sampling_processors(target, context, temperature=1.0)
     row = torch.randn(1, vocab, device=device)
+    probs = processors(context, row.clone()).softmax(dim=-1)
 
-    def sample_row() -> None:
-        torch.multinomial(processors(context, row.clone()).softmax(dim=-1), num_samples=1)
+    def process_row() -> None:
+        processors(context, row.clone()).softmax(dim=-1)
+
+    def draw() -> None:
+        torch.multinomial(probs, num_samples=1)
 
     fns: dict[Any, Callable[[], None]] = {("target", b): verify(b) for b in block_sizes}
     fns.update({("drafter", b): draft(b) for b in block_sizes if b > 1})
-    fns["sampling_row"] = sample_row
+    fns.update(sampling_process=process_row, sampling_draw=draw)
     ms = _interleaved_median_ms(fns, repeats, device)
     return CostModel(
         target_ms={b: ms[("target", b)] for b in block_sizes},
         drafter_ms={b: ms[("drafter", b)] for b in block_sizes if b > 1},
         device=str(device),
         context_tokens=context_tokens,
-        sampling_row_ms=ms["sampling_row"],
+        sampling_process_ms=ms["sampling_process"],
+        sampling_draw_ms=ms["sampling_draw"],
     )
 
 
