@@ -379,10 +379,14 @@ def resolve_controller(
     drafter: nn.Module, controller: DraftController | int | None = None
 ) -> DraftController:
     """The controller for one request: the one passed (an int is a fixed block size), else the drafter's
-    default (its attached policy, else its `block_size`)."""
+    default: its attached policy, under the controller its labels were collected with (`AdaptiveVerify` for a
+    policy trained on `collect --adaptive` labels, else every draft verified), else its `block_size`."""
     if controller is None:
         policy = getattr(drafter, "policy", None)
-        return PolicyBlockSize(policy) if policy is not None else DraftController(drafter.block_size)
+        if policy is None:
+            return DraftController(drafter.block_size)
+        adaptive = getattr(policy, "label_controller", "fixed") == "adaptive"
+        return AdaptiveVerify(policy=policy) if adaptive else PolicyBlockSize(policy)
     if isinstance(controller, int) and not isinstance(controller, bool):
         return DraftController(controller)
     if not isinstance(controller, DraftController):

@@ -125,6 +125,7 @@ class LastLogitsMLP(nn.Module):
 
 
 ARCHITECTURES = ("prefill-mlp", "last-logits-mlp")
+LABEL_CONTROLLERS = ("fixed", "adaptive")  # what verified the rounds of a policy's labels (`collect [--adaptive]`)
 
 
 class BlockPilotPolicy(
@@ -164,6 +165,7 @@ class BlockPilotPolicy(
         architecture: str = "prefill-mlp",
         depth: int = 1,
         dtype: str = "float32",
+        label_controller: str = "fixed",
     ):
         super().__init__()
         if architecture not in ARCHITECTURES:
@@ -174,6 +176,8 @@ class BlockPilotPolicy(
             raise ValueError(f"candidates must be block sizes >= 1 (1 = speculation off), got {candidates}")
         if objective not in ("throughput", "acceptance"):
             raise ValueError(f"objective must be 'throughput' or 'acceptance', got {objective!r}")
+        if label_controller not in LABEL_CONTROLLERS:
+            raise ValueError(f"label_controller must be one of {LABEL_CONTROLLERS}, got {label_controller!r}")
         self.candidates = list(candidates)
         self.feature_layers = list(feature_layers)
         self.target_hidden_size = target_hidden_size
@@ -201,6 +205,9 @@ class BlockPilotPolicy(
 
         self.training_loss = training_loss
         self.prompt_lookup = prompt_lookup  # labels collected with the drafter's prompt lookup on
+        # how its labels' rounds were verified: "fixed" (every draft) or "adaptive" (cut by AdaptiveVerify): the
+        # widths it picks are best under that controller, which is the default one it serves under
+        self.label_controller = label_controller
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
         # what an AdaptiveVerify under this policy cuts each round with, unless given its own
         self.acceptance_model = AcceptanceModel.from_dict(acceptance_model) if acceptance_model else None
@@ -234,6 +241,7 @@ class BlockPilotPolicy(
             report=self.report,
             training_loss=self.training_loss,
             prompt_lookup=self.prompt_lookup,
+            label_controller=self.label_controller,
             acceptance_model=self.acceptance_model.to_dict() if self.acceptance_model else None,
             cost_model=self.cost_model,
         )

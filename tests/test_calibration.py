@@ -104,3 +104,33 @@ def test_train_policy_fits_and_stores_the_acceptance_model_and_uses_modeled_time
     assert objective_values(record, CANDIDATES, "throughput", cost) == pytest.approx(
         [1000 * record.new_tokens / record.ms[b] for b in CANDIDATES]
     )
+
+
+def test_a_policy_trained_on_composed_labels_serves_under_adaptive_verify_by_default(tmp_path):
+    """Labels collected under the per-round controller (`collect --adaptive`) rank widths as they pay *with* it:
+    such a policy records that and is served under `AdaptiveVerify` when no controller is passed; a policy of
+    fully verified labels keeps every draft verified. Mixed labels are refused."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=4, seed=0)
+    cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
+    config = PolicyTrainingConfig(epochs=5)
+    composed = _records(30)
+    for r in composed:
+        r.controller = "adaptive"
+    with pytest.raises(ValueError, match="mix"):
+        train_policy(composed[:15] + _records(15, seed=1), CANDIDATES, [1], target, make_drafter(target), config, cost)
+    prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    expected = greedy_generate(target, prompt, 24, None)
+    for records, label_controller, served_by in [(composed, "adaptive", "adaptive(policy"), (_records(30), "fixed", "policy")]:
+        policy, _ = train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, cost)
+        assert policy.label_controller == label_controller
+        policy.save_pretrained(tmp_path / label_controller)
+        card = (tmp_path / label_controller / "README.md").read_text()
+        assert ("cut by the per-round controller" in card) == (label_controller == "adaptive")
+        drafter = make_drafter(target, block_size=4)
+        drafter.set_policy(tmp_path / label_controller)  # strict load keeps the field
+        out = greedy_generate(target, prompt, 24, None, assistant_model=drafter)
+        assert torch.equal(out, expected)
+        assert drafter.last_stats.controller.startswith(served_by)
+    with pytest.raises(ValueError, match="label_controller"):
+        BlockPilotPolicy(candidates=[2], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
+                         target_num_layers=4, label_controller="sometimes")

@@ -215,10 +215,15 @@ def train_policy(
 ) -> tuple[BlockPilotPolicy, PolicyReport]:
     """Fit a `BlockPilotPolicy` on oracle records: early stopping on validation regret, metrics on a test split
     of prompts it never saw. `prompt_lookup`: the records label decoding with prompt lookup on (recorded in the
-    policy). The per-round controller's acceptance model (`acceptance`, else fitted on the records' recorded
+    policy). Records of decoding under `AdaptiveVerify` (`collect --adaptive`) make a policy that serves under it
+    by default; fixed and adaptive records cannot be mixed. The per-round controller's acceptance model (`acceptance`, else fitted on the records' recorded
     rounds, when they have any) and `cost` are stored in the policy. Returns the policy and that report."""
     from ..policy import drafter_fingerprint
 
+    label_controllers = {r.controller for r in records}
+    if len(label_controllers) > 1:
+        raise ValueError("these labels mix rounds verified in full (`collect`) and cut by the per-round controller "
+                         "(`collect --adaptive`): their best widths differ; train on one kind")
     torch.manual_seed(config.seed)
     # train / validation (early stopping) / test (the reported metrics), split by prompt
     rest, test = split_by_prompt(records, config.validation_fraction, config.seed)
@@ -247,6 +252,7 @@ def train_policy(
         drafter_fingerprint=drafter_fingerprint(drafter),
         training_loss=config.loss,
         prompt_lookup=prompt_lookup,
+        label_controller=label_controllers.pop() if label_controllers else "fixed",
     )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)
