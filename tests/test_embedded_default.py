@@ -63,16 +63,18 @@ def test_default_drafter_is_lossless_and_drafts_usefully(default_pair):
 
 
 def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
-    """The embedded policy's probabilities must depend on the prompt (a constant function would be a defect); it
-    chooses among 1, 2, 3, 4, 6, 8, and on this CPU its throughput labels say b = 4 for most prompts at T=0 and
-    b = 2 for most at T=1 (acceptance drops; each drafted slot also costs a sampling step), so every choice
-    should be 2 or 4, with b = 4 on code (HumanEval) at T=0, and sampling never raising b."""
+    """The embedded policy's probabilities must depend on the prompt (a constant function would be a defect). It
+    was trained on composed labels (rounds cut by `AdaptiveVerify`, as it serves), which on this CPU say width 4
+    for most prompts at T=0 and T=1 (a 4-token verify costs about one plain step; the per-round cut recovers
+    most of what wider blocks lose, so they come close): every choice should be 4, and sampling, which lowers
+    acceptance, should lower the weight on the widest block."""
     target, tokenizer = default_pair
     policy = resolve_policy("default")
-    assert policy is not None
+    assert policy is not None and policy.label_controller == "adaptive"
     from hf_blockpilot.data import load_prompts
 
     records = load_prompts("humaneval", 3) + load_prompts("mtbench", 4) + load_prompts("gsm8k", 3)
+    widest = max(policy.candidates)
     chosen, hot, probs = {}, {}, []
     for record in records:
         ids = chat_inputs(tokenizer, record.prompt, target.device)
@@ -80,15 +82,13 @@ def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
             out = target(ids, output_hidden_states=True, logits_to_keep=1)
         b, p = policy.choose_block_size(out, target.get_output_embeddings())
         assert b == max(p, key=p.get)
-        chosen[record.id] = b
-        hot[record.id], _ = policy.choose_block_size(out, target.get_output_embeddings(), temperature=1.0)
+        hot_b, hot_p = policy.choose_block_size(out, target.get_output_embeddings(), temperature=1.0)
+        chosen[record.id], hot[record.id] = b, hot_b
+        assert hot_p[widest] < p[widest], (record.id, p, hot_p)
         probs.append(torch.tensor([p[c] for c in policy.candidates]))
-    assert all(hot[name] <= chosen[name] for name in chosen), (chosen, hot)
-    assert sum(b == 2 for b in hot.values()) > len(hot) / 2, hot
     spread = torch.stack(probs).std(dim=0).max().item()
     assert spread > 0.01, f"the policy gives the same probabilities for every prompt (max std {spread:.4f})"
-    assert set(chosen.values()) <= {2, 4}, chosen
-    assert all(b == 4 for name, b in chosen.items() if name.startswith("HumanEval")), chosen
+    assert set(chosen.values()) == set(hot.values()) == {4}, (chosen, hot)
 
 
 def test_generate_command_uses_the_embedded_policy(default_pair, capsys):
