@@ -17,6 +17,11 @@ hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels" --dataset stdlib --
 #   hf-blockpilot measure-cost $MODEL_ARGS --device cuda --output cost_cuda.json --candidates $CANDIDATES
 #   hf-blockpilot train-policy ... --cost-model cost_cuda.json
 hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels" --output "$OUT/policy" --loss regret --objective throughput
+# A policy that serves under the per-round controller (as the embedded ones do) learns from the composed system:
+# relabel with every round cut by AdaptiveVerify, using the first policy's acceptance model, and train again
+#   hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels-adaptive" --adaptive --acceptance-model "$OUT/policy" ...
+#   hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels-adaptive" --acceptance-model "$OUT/policy" ...
+# (it then runs under AdaptiveVerify by default: its card says "labels' rounds: cut by the per-round controller")
 hf-blockpilot evaluate-policy $MODEL_ARGS --policy "$OUT/policy" --datasets humaneval mtbench --limit "${LIMIT:-20}" \
     --output "$OUT/evaluation.json"
 if [ -n "$REPO" ]; then
