@@ -33,7 +33,8 @@ class BlockSizePolicy(Protocol):
 
     Optional attributes: `candidates` (the block sizes it picks from), `feature_layers` (target layer ids whose
     prefill states it reads; absent: the target keeps them all), `acceptance_model` and `cost_model` (what an
-    `AdaptiveVerify` under it uses unless given its own).
+    `AdaptiveVerify` under it uses unless given its own), `label_controller` ("adaptive": its labels' rounds were
+    cut by `AdaptiveVerify`, so generate serves it under one by default; absent or "fixed": every draft verified).
     """
 
     def choose_block_size(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> tuple[int, dict]: ...

@@ -120,7 +120,8 @@ def test_a_policy_trained_on_composed_labels_serves_under_adaptive_verify_by_def
         train_policy(composed[:15] + _records(15, seed=1), CANDIDATES, [1], target, make_drafter(target), config, cost)
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     expected = greedy_generate(target, prompt, 24, None)
-    for records, label_controller, served_by in [(composed, "adaptive", "adaptive(policy"), (_records(30), "fixed", "policy")]:
+    cases = [(composed, "adaptive", "adaptive(policy"), (_records(30), "fixed", "policy")]
+    for records, label_controller, served_by in cases:
         policy, _ = train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, cost)
         assert policy.label_controller == label_controller
         policy.save_pretrained(tmp_path / label_controller)

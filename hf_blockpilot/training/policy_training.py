@@ -216,8 +216,9 @@ def train_policy(
     """Fit a `BlockPilotPolicy` on oracle records: early stopping on validation regret, metrics on a test split
     of prompts it never saw. `prompt_lookup`: the records label decoding with prompt lookup on (recorded in the
     policy). Records of decoding under `AdaptiveVerify` (`collect --adaptive`) make a policy that serves under it
-    by default; fixed and adaptive records cannot be mixed. The per-round controller's acceptance model (`acceptance`, else fitted on the records' recorded
-    rounds, when they have any) and `cost` are stored in the policy. Returns the policy and that report."""
+    by default; fixed and adaptive records cannot be mixed. The per-round controller's acceptance model
+    (`acceptance`, else fitted on the records' recorded rounds, when they have any) and `cost` are stored in the
+    policy. Returns the policy and that report."""
     from ..policy import drafter_fingerprint
 
     label_controllers = {r.controller for r in records}
