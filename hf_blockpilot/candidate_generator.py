@@ -30,7 +30,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
 from .controllers import DraftController, DraftedRound, resolve_controller
-from .cpu_kernels import skinny_linear
+from .cpu_kernels import skinny_linear, use_cpu_verify_kernels
+from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
 from .stats import SpeculationStats
@@ -63,15 +64,16 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         logits_processor: LogitsProcessorList | None = None,
         target_tokenizer: PreTrainedTokenizerBase | None = None,
         controller: DraftController | int | None = None,
+        prepared: bool = False,
     ):
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"block-diffusion speculative decoding supports batch size 1, got {input_ids.shape[0]}: "
                 "call generate() once per prompt."
             )
-        drafter.check_compatible(target)
-        self.controller = resolve_controller(drafter, controller).for_request()
-        self.controller.check_compatible(target, drafter)
+        # `prepared`: `controller` is already this request's own, checked and costed (`prepare_controller`)
+        self.controller = controller if prepared else prepare_controller(target, drafter, controller)
+        self.kernel_rows = self.controller.cost_model.kernel_rows
         self.drafter = drafter
         self.device = drafter.device
         self.embed_tokens = target.get_input_embeddings()
@@ -91,9 +93,14 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 raise ValueError("`stop_strings` needs `tokenizer=` passed to generate().")
             self.stop_strings = StopStringCriteria(target_tokenizer, generation_config.stop_strings)
         self.cache = DraftContextCache()
+        self.pending_context: list[torch.Tensor] = []  # target states of tokens verified in rounds not drafted
         self.lookup = NgramLookup() if drafter.prompt_lookup else None
         self.started = False
-        self.stats = SpeculationStats(prompt_tokens=input_ids.shape[1], controller=self.controller.describe())
+        self.stats = SpeculationStats(
+            prompt_tokens=input_ids.shape[1],
+            controller=self.controller.describe(),
+            cost_model_source=self.controller.cost_model.source,
+        )
         drafter.last_stats = self.stats
         # the user's own request for hidden states (returned by generate) gets them all, as with any assistant
         wants_all = bool(generation_config.output_hidden_states)
@@ -129,6 +136,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         width = min(self.controller.width(), room + 1)
         num_drafts = min(width - 1, room - 1)
         if num_drafts <= 0:  # speculation off (b = 1) or one token left before max_length
+            if self.controller.max_width() > 1:  # drafting may resume in a later round
+                self._keep_context(input_ids, model_outputs)
             self.stats.widths_per_round.append(1)
             self.stats.drafted_per_round.append(0)
             return input_ids, None
@@ -203,19 +212,31 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             return True
         return sorted({i + 1 for i in self.drafter.target_layer_ids} | controller_states)
 
-    def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target hidden states (at the drafter's layers) and positions of tokens verified since last round."""
-        seen = self.cache.get_seq_length()
-        num_new = input_ids.shape[1] - 1 - seen  # every committed token but the last went through the target
+    def _keep_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> None:
+        """Hold the target states of the tokens verified since the last round (at the drafter's layers) until
+        the drafter next runs: rounds that draft nothing (a plain step) add them without a drafter forward."""
+        pending = sum(h.shape[1] for h in self.pending_context)
+        num_new = input_ids.shape[1] - 1 - self.cache.get_seq_length() - pending  # all committed but the last
+        if num_new <= 0:
+            return
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None or hidden_states[self.drafter.target_layer_ids[0] + 1].shape[1] < num_new:
             raise RuntimeError(
                 "the target forward did not return hidden states for all verified tokens; block-diffusion drafting "
                 "needs a target that honours `output_hidden_states` and a prompt that is not pre-cached."
             )
-        target_hidden = torch.cat([hidden_states[i + 1][:, :num_new] for i in self.drafter.target_layer_ids], dim=-1)
-        positions = torch.arange(seen, seen + num_new, device=self.device).unsqueeze(0)
-        return target_hidden.to(self.device), positions
+        hidden = torch.cat([hidden_states[i + 1][:, :num_new] for i in self.drafter.target_layer_ids], dim=-1)
+        self.pending_context.append(hidden.to(self.device))
+
+    def _new_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target hidden states (at the drafter's layers) and positions of tokens verified since the drafter
+        last ran."""
+        self._keep_context(input_ids, model_outputs)
+        seen = self.cache.get_seq_length()
+        target_hidden = torch.cat(self.pending_context, dim=1)
+        self.pending_context = []
+        positions = torch.arange(seen, seen + target_hidden.shape[1], device=self.device).unsqueeze(0)
+        return target_hidden, positions
 
     def _draft_logits(
         self, input_ids: torch.LongTensor, model_outputs: Any, width: int
@@ -241,7 +262,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         ).last_hidden_state[:, 1:]
         self.stats.drafter_forwards += 1
         # the head may sit on another device than the drafter (a target spread over devices)
-        logits = skinny_linear(hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
+        logits = skinny_linear(
+            hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias, self.kernel_rows
+        )
         logits = self.drafter.finish_logits(logits.float())
         if self.drafter.d2t is None:
             return logits, logits, hidden
@@ -332,26 +355,43 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 _stock_get_candidate_generator = GenerationMixin._get_candidate_generator
 _stock_validate_generation_mode = GenerationMixin._validate_generation_mode
 _stock_generate = GenerationMixin.generate
-# The `draft_controller=` of the `generate` call running in this thread / task (generate runs synchronously).
-_call_controller: contextvars.ContextVar[DraftController | int | None] = contextvars.ContextVar(
+# The prepared controller of the `generate` call running in this thread / task (generate runs synchronously).
+_call_controller: contextvars.ContextVar[DraftController | None] = contextvars.ContextVar(
     "hf_blockpilot_draft_controller", default=None
 )
 
 
+def prepare_controller(
+    target: PreTrainedModel, drafter: BlockDiffusionDrafter, controller: DraftController | int | None
+) -> DraftController:
+    """This request's own controller (`resolve_controller`), checked against the pair and given the device's
+    costs (`resolve_cost_model`: its own, else this machine's calibration, else the shipped fallback)."""
+    drafter.check_compatible(target)
+    prepared = resolve_controller(drafter, controller).for_request()
+    prepared.check_compatible(target, drafter)
+    prepared.use_cost_model(resolve_cost_model(target, drafter, prepared.cost_model, prepared.max_width()))
+    return prepared
+
+
 @functools.wraps(_stock_generate)
 def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftController | int | None = None, **kwargs: Any):
-    if draft_controller is None:
+    drafter = kwargs.get("assistant_model")
+    if not isinstance(drafter, BlockDiffusionDrafter):
+        if draft_controller is not None:
+            raise ValueError(
+                "draft_controller= steers block-diffusion drafting: pass it with assistant_model=<BlockDiffusionDrafter>"
+            )
         return _stock_generate(self, *args, **kwargs)
-    if not isinstance(kwargs.get("assistant_model"), BlockDiffusionDrafter):
-        raise ValueError(
-            "draft_controller= steers block-diffusion drafting: pass it with assistant_model=<BlockDiffusionDrafter>"
-        )
-    resolve_controller(kwargs["assistant_model"], draft_controller)  # a wrong type fails before any forward
-    token = _call_controller.set(draft_controller)
+    controller = prepare_controller(self, drafter, draft_controller)  # bad input fails before any forward
+    rows = controller.cost_model.kernel_rows  # where this machine's calibration measured the CPU kernels faster
+    undo_kernels = use_cpu_verify_kernels(self, rows=rows) if rows else None
+    token = _call_controller.set(controller)
     try:
         return _stock_generate(self, *args, **kwargs)
     finally:
         _call_controller.reset(token)
+        if undo_kernels is not None:
+            undo_kernels()
 
 
 def _validate_generation_mode(self: GenerationMixin, generation_mode: Any, generation_config: Any, kwargs: dict) -> None:
@@ -396,6 +436,7 @@ def _get_candidate_generator(
             logits_processor=logits_processor,
             target_tokenizer=target_tokenizer,
             controller=_call_controller.get(),
+            prepared=_call_controller.get() is not None,
         )
     return _stock_get_candidate_generator(
         self,

@@ -87,6 +87,7 @@ class DraftController:
         self.block_size = check_block_size(block_size)
         self.policy_probs: dict[int, float] | None = None
         self.policy_seconds = 0.0
+        self.cost_model: CostModel | None = None  # this device's costs (see `use_cost_model`)
 
     def for_request(self) -> DraftController:
         """A copy with fresh per-request state (models and tables are shared, not copied)."""
@@ -101,6 +102,11 @@ class DraftController:
 
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
         """Error early if this controller cannot serve `target` + `drafter`."""
+
+    def use_cost_model(self, cost_model: CostModel) -> None:
+        """Decide with `cost_model`: the device's costs, which `generate` resolves per request
+        (`device_calibration.resolve_cost_model`) unless the controller was given its own."""
+        self.cost_model = cost_model
 
     def prefill_state_indices(self) -> set[int] | None:
         """The prefill `hidden_states` entries `start` reads (`None`: it may read any)."""
@@ -308,7 +314,9 @@ class AdaptiveVerify(DraftController):
     entropy bound).
 
     The drafting width is `block_size`, or chosen per request by `policy` (which may also carry the
-    acceptance model and cost model it was trained with). Explicit `acceptance` / `cost_model` win.
+    acceptance model it was trained with; an explicit `acceptance` wins). The costs are `cost_model` if given,
+    else this machine's calibration (resolved by `generate`, see `use_cost_model`); a policy's own cost model
+    (from the machine its labels were timed on) is not used for decisions.
     """
 
     name = "adaptive"
@@ -325,7 +333,7 @@ class AdaptiveVerify(DraftController):
         self.fixed_block_size = self.block_size
         self.policy = policy
         self.acceptance = acceptance or getattr(policy, "acceptance_model", None) or EntropyBound()
-        self.cost_model = cost_model or getattr(policy, "cost_model", None)
+        self.cost_model = cost_model
         self.temperature = 0.0
         self._costs: dict[int, torch.Tensor] = {}
 
@@ -337,8 +345,6 @@ class AdaptiveVerify(DraftController):
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
         if self.policy is not None:
             self.policy.check_compatible(target, drafter)
-        if self.cost_model is None:
-            self.cost_model = CostModel.default_for(next(target.parameters()).device)
 
     def prefill_state_indices(self) -> set[int] | None:
         return set() if self.policy is None else policy_state_indices(self.policy)
@@ -376,18 +382,27 @@ def _widest(policy: BlockSizePolicy) -> int:
     return check_block_size(max(max(getattr(policy, "candidates", None) or [16]), 2), "the policy's widest candidate")
 
 
-def resolve_controller(
-    drafter: nn.Module, controller: DraftController | int | None = None
-) -> DraftController:
-    """The controller for one request: the one passed (an int is a fixed block size), else the drafter's
-    default: its attached policy, under the controller its labels were collected with (`AdaptiveVerify` for a
-    policy trained on `collect --adaptive` labels, else every draft verified), else its `block_size`."""
+def default_controller(drafter: nn.Module) -> DraftController:
+    """What `generate(assistant_model=drafter)` runs when given no `draft_controller` (and what `bench`, the CLI
+    and `evaluate-policy` call "default"): the drafter's attached policy under the controller its labels were
+    collected with (`AdaptiveVerify` for a policy trained on `collect --adaptive` labels, else every draft
+    verified), else its `block_size` with every draft verified; inside a `SpeculationGuard`, so that it never
+    runs slower than plain decoding on this machine's costs."""
+    policy = getattr(drafter, "policy", None)
+    if policy is None:
+        inner = DraftController(drafter.block_size)
+    elif getattr(policy, "label_controller", "fixed") == "adaptive":
+        inner = AdaptiveVerify(policy=policy)
+    else:
+        inner = PolicyBlockSize(policy)
+    return SpeculationGuard(inner)
+
+
+def resolve_controller(drafter: nn.Module, controller: DraftController | int | None = None) -> DraftController:
+    """The controller for one request: the one passed (an int is a fixed block size), else
+    `default_controller(drafter)`."""
     if controller is None:
-        policy = getattr(drafter, "policy", None)
-        if policy is None:
-            return DraftController(drafter.block_size)
-        adaptive = getattr(policy, "label_controller", "fixed") == "adaptive"
-        return AdaptiveVerify(policy=policy) if adaptive else PolicyBlockSize(policy)
+        return default_controller(drafter)
     if isinstance(controller, int) and not isinstance(controller, bool):
         return DraftController(controller)
     if not isinstance(controller, DraftController):
@@ -396,6 +411,154 @@ def resolve_controller(
             f"got {type(controller).__name__}"
         )
     return controller
+
+
+class DelegatingController(DraftController):
+    """A controller that wraps another: every decision is `inner`'s unless a subclass overrides it (the
+    `SpeculationGuard`, the calibration's round recorder). Per-request copies copy `inner` too."""
+
+    def __init__(self, inner: DraftController):
+        if not isinstance(inner, DraftController):
+            raise TypeError(f"{type(self).__name__} wraps a DraftController, got {type(inner).__name__}")
+        super().__init__(inner.block_size)
+        self.inner = inner
+        self.cost_model = inner.cost_model
+
+    @property
+    def reads_confidence(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_confidence
+
+    def for_request(self) -> DelegatingController:
+        fresh = copy.copy(self)
+        fresh.inner = self.inner.for_request()
+        fresh.reset()
+        return fresh
+
+    def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
+        self.inner.check_compatible(target, drafter)
+
+    def use_cost_model(self, cost_model: CostModel) -> None:
+        super().use_cost_model(cost_model)
+        self.inner.use_cost_model(cost_model)
+
+    def prefill_state_indices(self) -> set[int] | None:
+        return self.inner.prefill_state_indices()
+
+    def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
+        self.inner.start(prefill_outputs, lm_head, temperature)
+        self.policy_probs, self.policy_seconds = self.inner.policy_probs, self.inner.policy_seconds
+
+    def width(self) -> int:
+        return self.inner.width()
+
+    def max_width(self) -> int:
+        return self.inner.max_width()
+
+    def num_to_verify(self, drafted: DraftedRound) -> int:
+        return self.inner.num_to_verify(drafted)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        self.inner.observe(verified, accepted)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+class SpeculationGuard(DelegatingController):
+    """Wraps `inner` (its widths and verify budgets) and turns drafting off where it loses to plain steps.
+
+    `prior_acceptance`: the per-slot acceptance assumed before a request has drafted (geometric), for the
+    request-level decision; `probe_rounds`: drafting rounds judged before a pause, and in each probe;
+    `first_pause` / `max_pause`: plain rounds of the first pause and the cap of the doubling.
+    """
+
+    name = "guarded"
+
+    def __init__(
+        self,
+        inner: DraftController,
+        prior_acceptance: float = 0.5,
+        probe_rounds: int = 4,
+        decay: float = 0.7,
+        first_pause: int = 8,
+        max_pause: int = 128,
+    ):
+        if not 0.0 <= prior_acceptance <= 1.0 or not 0.0 <= decay < 1.0 or probe_rounds < 1 or first_pause < 1:
+            raise ValueError("prior_acceptance in [0, 1], decay in [0, 1), probe_rounds >= 1 and first_pause >= 1")
+        super().__init__(inner)
+        self.prior_acceptance = prior_acceptance
+        self.probe_rounds = probe_rounds
+        self.decay = decay
+        self.first_pause = first_pause
+        self.max_pause = max(max_pause, first_pause)
+        self.reset_guard()
+
+    def reset_guard(self) -> None:
+        self.temperature = 0.0
+        self.plain_request = False
+        self.paused_for = 0  # plain rounds left in the current pause
+        self.next_pause = self.first_pause
+        self.judged = 0  # drafting rounds since the last (re)start of drafting
+        self.committed = self.cost = 0.0  # decayed sums over those rounds
+        self.last_width = 1
+        self.paused_rounds = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.reset_guard()
+
+    def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
+        super().start(prefill_outputs, lm_head, temperature)
+        self.temperature = temperature
+        self.plain_request = not self.speculation_can_pay(self.inner.max_width())
+
+    def speculation_can_pay(self, width: int) -> bool:
+        """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance."""
+        if width <= 1:
+            return False
+        if self.cost_model is None:
+            return True
+        prior = torch.full((width - 1,), self.prior_acceptance)
+        committed = expected_committed(prior)
+        rounds = torch.tensor([self.cost_model.modeled_round_ms(width, k, self.temperature) for k in range(width)])
+        return bool((committed / rounds).max() * self._plain_ms() > 1.0)
+
+    def _plain_ms(self) -> float:
+        return self.cost_model.modeled_round_ms(1, 0, self.temperature)
+
+    def width(self) -> int:
+        if self.plain_request or self.paused_for > 0:
+            self.last_width = 1
+        else:
+            self.last_width = self.inner.width()
+        return self.last_width
+
+    def max_width(self) -> int:
+        return 1 if self.plain_request else self.inner.max_width()
+
+    def observe(self, verified: int, accepted: int) -> None:
+        if self.last_width <= 1:  # a plain round: the request is plain, or a pause is running down
+            if self.paused_for > 0:
+                self.paused_for -= 1
+                self.paused_rounds += 1
+            return
+        self.inner.observe(verified, accepted)
+        if self.cost_model is None:
+            return
+        round_ms = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature)
+        self.committed = self.decay * self.committed + accepted + 1
+        self.cost = self.decay * self.cost + round_ms
+        self.judged += 1
+        if self.judged < self.probe_rounds:
+            return
+        if self.committed / self.cost * self._plain_ms() < 1.0:  # below break-even: pause, then probe
+            self.paused_for, self.next_pause = self.next_pause, min(2 * self.next_pause, self.max_pause)
+            self.judged, self.committed, self.cost = 0, 0.0, 0.0
+        elif self.judged == self.probe_rounds:  # a probe (or the start) that pays: pauses start short again
+            self.next_pause = self.first_pause
+
+    def describe(self) -> str:
+        return f"guarded({self.inner.describe()})"
 
 
 def baseline_controllers(block_sizes: Sequence[int], max_block_size: int = 16) -> dict[str, DraftController]:

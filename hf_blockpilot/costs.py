@@ -4,7 +4,7 @@ weighed against (measure one with `hf-blockpilot measure-cost`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,8 @@ class CostModel:
 
     `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one
     drafter forward over a block of b slots. Sizes between measured ones are interpolated linearly; sizes past
-    the largest measured one extend its last slope. At T>0, `sampling_process_ms` is the logits processors and
+    the largest measured one extend its last slope. `kernel_rows`: the target forwards over these token
+    counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found faster there. At T>0, `sampling_process_ms` is the logits processors and
     a softmax on one row, `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
 
@@ -31,6 +32,8 @@ class CostModel:
     context_tokens: int = 0
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
+    kernel_rows: list[int] = field(default_factory=list)  # row counts timed with the CPU verify kernels on
+    source: str = ""  # where the figures come from (a calibration, a shipped fallback, a file)
 
     def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
         """A round that drafts `block_size` slots and verifies every draft (b = 1: a plain decoding step)."""
@@ -97,6 +100,7 @@ class CostModel:
         raw = dict(raw)
         raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
+        raw["kernel_rows"] = [int(n) for n in raw.get("kernel_rows", [])]
         if "sampling_row_ms" in raw:
             raw["sampling_process_ms"] = raw.pop("sampling_row_ms")
         if 1 not in raw["target_ms"]:
@@ -105,14 +109,19 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        cost = cls.from_dict(json.loads(Path(path).read_text()))
+        cost.source = cost.source or f"file {path}"
+        return cost
 
     @classmethod
     def default_for(cls, device: torch.device | str) -> CostModel:
         """The shipped cost model for a kind of device (the embedded pair timed on a 2-core x86 CPU, or on one
         H100); other pairs and devices should be timed with `hf-blockpilot measure-cost`."""
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
-        return cls.load(ASSETS / f"cost_model_{kind}.json")
+        cost = cls.load(ASSETS / f"cost_model_{kind}.json")
+        cost.kernel_rows = []  # a fallback keeps the stock kernels: never slower than stock on any machine
+        cost.source = f"shipped fallback cost_model_{kind}.json (not this machine's)"
+        return cost
 
 
 def _interpolate(table: dict[int, float], size: int) -> float:

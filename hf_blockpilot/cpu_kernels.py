@@ -13,7 +13,10 @@ forward far dearer than a one-token step, and `cpu_verify_kernels` replaces both
   `grouped_query_attention` stacks the query heads that share a key/value head as extra query rows instead,
   so nothing is repeated.
 
-Both agree with the stock kernels to float rounding; the timings behind them are in docs/design-measurements.md.
+Both agree with the stock kernels to float rounding. Whether they pay depends on the machine (they win on an AMD
+EPYC in float32 and lose on an Intel Xeon with fast small-GEMM MKL kernels), so `generate` switches them on only
+for the row counts where this machine's calibration measured them faster (`CostModel.kernel_rows`, see
+`device_calibration`); `rows=` does the same by hand.
 
     with hf_blockpilot.cpu_verify_kernels(target, drafter):
         target.generate(**inputs, assistant_model=drafter)
@@ -21,7 +24,8 @@ Both agree with the stock kernels to float rounding; the timings behind them are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextvars
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -39,28 +43,36 @@ from .attention import grouped_sdpa
 #: attention serves the same range of query lengths.
 SKINNY_MAX_ROWS = 32
 
+#: The row counts the kernels serve unless told otherwise.
+DEFAULT_ROWS = frozenset(range(2, SKINNY_MAX_ROWS + 1))
+#: The query lengths `grouped_query_attention` serves in this thread / task (set by `use_grouped_query_attention`).
+_attention_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "hf_blockpilot_attention_rows", default=DEFAULT_ROWS
+)
+
 #: The name `grouped_query_attention` is registered under in Transformers' attention (and mask) interfaces.
 GROUPED_QUERY_ATTENTION = "hf_blockpilot_grouped_sdpa"
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int = SKINNY_MAX_ROWS
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: Collection[int] = DEFAULT_ROWS
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, computed as `(weight @ x.T).T` for 2..max_rows float32 rows on CPU."""
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not 1 < rows <= max_rows:
+    """`F.linear(x, weight, bias)`, computed as `(weight @ x.T).T` for float32 CPU inputs whose row count is in
+    `rows` (default 2..`SKINNY_MAX_ROWS`)."""
+    num_rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if x.device.type != "cpu" or x.dtype != torch.float32 or num_rows not in rows:
         return F.linear(x, weight, bias)
-    out = (weight @ x.reshape(rows, x.shape[-1]).T).T
+    out = (weight @ x.reshape(num_rows, x.shape[-1]).T).T
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _skinny_forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, module.weight, module.bias, max_rows)
+def _skinny_forward(module: nn.Linear, rows: frozenset[int], x: torch.Tensor) -> torch.Tensor:
+    return skinny_linear(x, module.weight, module.bias, rows)
 
 
-def use_skinny_linears(*models: nn.Module, max_rows: int = SKINNY_MAX_ROWS) -> Callable[[], None]:
+def use_skinny_linears(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
     """Route every plain `nn.Linear` of `models` through `skinny_linear`; returns the function that undoes it.
 
     Modules whose `forward` is already overridden on the instance (accelerate offload hooks, an enclosing
@@ -70,7 +82,7 @@ def use_skinny_linears(*models: nn.Module, max_rows: int = SKINNY_MAX_ROWS) -> C
     for model in models:
         for module in model.modules():
             if type(module) is nn.Linear and "forward" not in module.__dict__:
-                module.forward = partial(_skinny_forward, module, max_rows)
+                module.forward = partial(_skinny_forward, module, frozenset(rows))
                 patched.append(module)
 
     def undo() -> None:
@@ -81,9 +93,9 @@ def use_skinny_linears(*models: nn.Module, max_rows: int = SKINNY_MAX_ROWS) -> C
 
 
 @contextmanager
-def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_MAX_ROWS) -> Iterator[None]:
+def skinny_linears(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Iterator[None]:
     """Within the block, the `nn.Linear` layers of `models` use `skinny_linear` (see the module docstring)."""
-    undo = use_skinny_linears(*models, max_rows=max_rows)
+    undo = use_skinny_linears(*models, rows=rows)
     try:
         yield
     finally:
@@ -100,15 +112,15 @@ def grouped_query_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Transformers' SDPA attention function, with 2..`SKINNY_MAX_ROWS` masked queries on CPU computed per
-    key/value head (`grouped_sdpa`), so the cached keys/values are used as they are. Anything else goes to
-    Transformers' own `sdpa_attention_forward`."""
+    """Transformers' SDPA attention function, with masked queries on CPU computed per key/value head
+    (`grouped_sdpa`), so the cached keys/values are used as they are, for the query lengths switched on
+    (default 2..`SKINNY_MAX_ROWS`). Anything else goes to Transformers' own `sdpa_attention_forward`."""
     groups = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
     stock = (
         query.device.type != "cpu"
         or groups == 1
-        or not 1 < q_len <= SKINNY_MAX_ROWS
+        or q_len not in _attention_rows.get()
         or attention_mask is None  # causal prefill: stock SDPA's `is_causal` path
         or attention_mask.dim() != 4
         or attention_mask.shape[1] != 1  # a mask per head
@@ -125,9 +137,10 @@ AttentionInterface.register(GROUPED_QUERY_ATTENTION, grouped_query_attention)
 AttentionMaskInterface.register(GROUPED_QUERY_ATTENTION, sdpa_mask)  # the masks SDPA gets
 
 
-def use_grouped_query_attention(*models: nn.Module) -> Callable[[], None]:
-    """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention`;
-    returns the function that switches them back. Other models (eager, flash, a drafter) are left alone."""
+def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
+    """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention` for
+    query lengths in `rows` (in this thread); returns the function that switches them back. Other models
+    (eager, flash, a drafter) are left alone."""
     switched = [
         model
         for model in models
@@ -137,18 +150,21 @@ def use_grouped_query_attention(*models: nn.Module) -> Callable[[], None]:
     ]
     for model in switched:
         model.set_attn_implementation(GROUPED_QUERY_ATTENTION)
+    token = _attention_rows.set(frozenset(rows))
 
     def undo() -> None:
+        _attention_rows.reset(token)
         for model in switched:
             model.set_attn_implementation("sdpa")
 
     return undo
 
 
-def use_cpu_verify_kernels(*models: nn.Module) -> Callable[[], None]:
-    """`use_skinny_linears` and `use_grouped_query_attention` on `models`; returns the function that undoes both."""
-    undo_linears = use_skinny_linears(*models)
-    undo_attention = use_grouped_query_attention(*models)
+def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
+    """`use_skinny_linears` and `use_grouped_query_attention` on `models` for forwards over `rows` tokens;
+    returns the function that undoes both."""
+    undo_linears = use_skinny_linears(*models, rows=rows)
+    undo_attention = use_grouped_query_attention(*models, rows=rows)
 
     def undo() -> None:
         undo_attention()
@@ -158,10 +174,11 @@ def use_cpu_verify_kernels(*models: nn.Module) -> Callable[[], None]:
 
 
 @contextmanager
-def cpu_verify_kernels(*models: nn.Module) -> Iterator[None]:
-    """Within the block, `models` run few-token forwards with `skinny_linear` and `grouped_query_attention`
-    (see the module docstring); one-token steps, prefills and non-CPU tensors keep the stock kernels."""
-    undo = use_cpu_verify_kernels(*models)
+def cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Iterator[None]:
+    """Within the block, `models` run forwards over `rows` tokens (default 2..`SKINNY_MAX_ROWS`) with
+    `skinny_linear` and `grouped_query_attention` (see the module docstring); other forwards (one-token steps,
+    prefills) and non-CPU tensors keep the stock kernels."""
+    undo = use_cpu_verify_kernels(*models, rows=rows)
     try:
         yield
     finally:

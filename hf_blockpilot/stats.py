@@ -24,6 +24,8 @@ class SpeculationStats:
         policy_seconds: wall time spent choosing the block size.
         controller_seconds: wall time of the per-round verify decisions (confidences and the choice).
         policy_probs: the policy's probability per candidate block size, when a policy chose it.
+        cost_model_source: where the costs the decisions weighed came from (this machine's calibration, a
+            file, or a shipped fallback table).
     """
 
     block_size: int | None = None
@@ -39,6 +41,12 @@ class SpeculationStats:
     policy_seconds: float = 0.0
     controller_seconds: float = 0.0
     policy_probs: dict[int, float] | None = None
+    cost_model_source: str = ""
+
+    @property
+    def plain_rounds(self) -> int:
+        """Rounds after the prefill that drafted nothing (speculation off, paused by the guard, or no room)."""
+        return sum(1 for w in self.widths_per_round[1:] if w == 1)
 
     @property
     def tau(self) -> float:

@@ -9,6 +9,8 @@ import torch
 from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 
 from hf_blockpilot.controllers import (
+    SpeculationGuard,
+    default_controller,
     MAX_BLOCK_SIZE,
     AcceptanceEMA,
     AcceptanceModel,
@@ -285,15 +287,23 @@ def test_policy_width_under_adaptive_verify():
 
 
 @pytest.mark.parametrize("block_size", [2, 5])
-def test_fixed_controller_matches_the_drafter_default(block_size):
+def test_the_default_is_the_guarded_fixed_block_size_and_drafts_as_it_where_drafting_pays(block_size, monkeypatch):
+    # a drafting round costs less than a plain step: any round pays, so the guard never pauses
+    flat = CostModel(target_ms={1: 10.0, 2: 9.0, 16: 9.0}, drafter_ms={2: 0.0, 16: 0.0})
+    monkeypatch.setattr(CostModel, "default_for", classmethod(lambda cls, device: flat))
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=5)
     drafter = make_drafter(target, block_size=block_size, scale=4.0)
+    default = default_controller(drafter)
+    assert isinstance(default, SpeculationGuard) and type(default.inner) is DraftController
+    assert default.describe() == f"guarded(fixed(b={block_size}))"
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
     greedy_generate(target, prompt, 24, None, assistant_model=drafter)
-    default = drafter.last_stats
+    guarded = drafter.last_stats
     greedy_generate(target, prompt, 24, None, assistant_model=drafter, draft_controller=DraftController(block_size))
-    assert drafter.last_stats.accepted_per_round == default.accepted_per_round
-    assert drafter.last_stats.drafted_per_round == default.drafted_per_round
+    assert drafter.last_stats.accepted_per_round == guarded.accepted_per_round
+    assert drafter.last_stats.drafted_per_round == guarded.drafted_per_round
+    assert guarded.plain_rounds == drafter.last_stats.plain_rounds  # the last token: no room to draft
+    assert guarded.controller == f"guarded(fixed(b={block_size}))"
 
 
 def test_all_controllers_importable_from_the_package():

@@ -35,9 +35,11 @@ def test_few_rows_take_the_transposed_product_and_others_keep_linear(monkeypatch
     weight = torch.randn(8, 6)
     for rows in (1, 2, 7, 32, 33):
         skinny_linear(torch.randn(1, rows, 6), weight)
-    assert calls == [(1, 1, 6), (1, 33, 6)]  # one row and more than max_rows: F.linear; 2..32: W @ x.T
-    skinny_linear(torch.randn(1, 7, 6), weight, max_rows=4)
+    assert calls == [(1, 1, 6), (1, 33, 6)]  # one row and more than 32: F.linear; 2..32: W @ x.T
+    skinny_linear(torch.randn(1, 7, 6), weight, rows={2, 3, 4})  # rows switched off keep F.linear
     assert calls[-1] == (1, 7, 6)
+    skinny_linear(torch.randn(1, 3, 6), weight, rows={2, 3, 4})
+    assert len(calls) == 3
     skinny_linear(torch.randn(1, 5, 6, dtype=torch.bfloat16), weight.bfloat16())  # bf16: the stock kernel is faster
     assert calls[-1] == (1, 5, 6) and len(calls) == 4
 

@@ -13,7 +13,7 @@ VOCAB, HIDDEN = 48, 64
 
 def _real(target, drafter, prompt, max_new, eos):
     out = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0,
-                          assistant_model=drafter)
+                          assistant_model=drafter, draft_controller=drafter.block_size)  # every draft verified
     return out, drafter.last_stats
 
 

@@ -3,25 +3,22 @@ fit `AcceptanceModel` (one logistic map per slot) to those rows."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from torch import nn
 
 from ..controllers import (
     AcceptanceModel,
+    DelegatingController,
     DraftController,
     DraftedRound,
-    resolve_controller,
 )
 
 # one row per drafted slot: slot index (0 = first draft), confidence, entropy, lookup (0/1), label in [0, 1]
 SlotRow = tuple[int, float, float, int, float]
 
 
-class RoundRecorder(DraftController):
+class RoundRecorder(DelegatingController):
     """Wraps a controller (or a fixed block size) unchanged and records calibration rows from its rounds.
 
     Greedy rounds give hard labels: a slot is labelled if every draft before it was accepted (1 if it was
@@ -31,46 +28,17 @@ class RoundRecorder(DraftController):
     share one `rows` list.
     """
 
-    reads_confidence = True
+    reads_confidence = True  # its rows need every round's confidences, whatever the wrapped controller reads
 
     def __init__(self, inner: DraftController | int, soft: bool = False):
-        self.inner = resolve_controller(None, inner) if not isinstance(inner, DraftController) else inner
+        super().__init__(DraftController(inner) if not isinstance(inner, DraftController) else inner)
         self.soft = soft
         self.rows: list[SlotRow] = []
         self.pending: DraftedRound | None = None
 
-    def for_request(self) -> RoundRecorder:
-        fresh = copy.copy(self)
-        fresh.inner = self.inner.for_request()
-        fresh.pending = None
-        return fresh
-
-    # every decision is the wrapped controller's
-    def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
-        self.inner.check_compatible(target, drafter)
-
-    def prefill_state_indices(self) -> set[int] | None:
-        return self.inner.prefill_state_indices()
-
-    def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
-        self.inner.start(prefill_outputs, lm_head, temperature)
-
-    @property
-    def policy_probs(self) -> dict[int, float] | None:  # read by the generator after `start`
-        return self.inner.policy_probs
-
-    @property
-    def policy_seconds(self) -> float:
-        return self.inner.policy_seconds
-
-    def width(self) -> int:
-        return self.inner.width()
-
-    def max_width(self) -> int:
-        return self.inner.max_width()
-
-    def describe(self) -> str:
-        return self.inner.describe()
+    def reset(self) -> None:
+        super().reset()
+        self.pending = None
 
     def num_to_verify(self, drafted: DraftedRound) -> int:
         self.pending = drafted

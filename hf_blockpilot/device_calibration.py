@@ -1,0 +1,391 @@
+"""Per-device calibration: what a speculative round costs on the machine `generate` runs on.
+
+Speed decisions (which CPU verify kernels to use, how wide to draft, how many drafts to verify, whether to
+speculate at all) are weighed against a `CostModel`. The first time a (device, dtype, thread count, target,
+drafter) pair decodes, `resolve_cost_model` times what those decisions need (target forwards over 1..max-width
+tokens at a realistic context, with and without the CPU verify kernels; the drafter per width; the sampling
+work) in a few seconds, and caches the result as JSON under the package cache, keyed by a fingerprint of the
+device (CPU model and its matmul flags, or GPU name and capability), torch version, threads, dtype and models.
+Later runs read the cache (0 s); a damaged or mismatched entry is re-measured with one warning.
+
+Opt out with `HF_BLOCKPILOT_CALIBRATE=0` (the shipped tables are then used, named as fallbacks in
+`SpeculationStats.cost_model_source`) or pass a `CostModel` of your own (`AdaptiveVerify(cost_model=...)`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
+
+from ._compat import cache_argument
+from .costs import CostModel
+from .cpu_kernels import cpu_verify_kernels, skinny_linear
+from .modeling_block_diffusion import DraftContextCache
+
+logger = logging.getLogger(__name__)
+
+#: Bump when what is measured changes: older cache entries are then re-measured.
+CALIBRATION_VERSION = 1
+#: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
+DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: The CPU verify kernels serve a row count only where they measured at most this share of the stock time.
+KERNEL_MARGIN = 0.97
+#: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+CALIBRATE_ENV = "HF_BLOCKPILOT_CALIBRATE"
+
+
+def cache_root() -> Path:
+    """The package cache: `$HF_BLOCKPILOT_CACHE`, else `$XDG_CACHE_HOME/hf_blockpilot`, else
+    `~/.cache/hf_blockpilot`."""
+    explicit = os.environ.get("HF_BLOCKPILOT_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "hf_blockpilot"
+
+
+def calibration_enabled() -> bool:
+    """False when `HF_BLOCKPILOT_CALIBRATE` is `0`, `false`, `no` or `off`."""
+    return os.environ.get(CALIBRATE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cpu_description() -> tuple[str, list[str]]:
+    """The CPU's model name and which of `MATMUL_FLAGS` it has (from /proc/cpuinfo where there is one)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                name = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return name, [f for f in MATMUL_FLAGS if f in flags]
+
+
+def describe_device(device: torch.device | str) -> dict[str, Any]:
+    """What identifies a device's speed: CPU model and matmul flags, or GPU name and compute capability."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return {"device": "cuda", "name": torch.cuda.get_device_name(index), "flags": [f"sm_{major}{minor}"]}
+    if device.type == "cpu":
+        name, flags = cpu_description()
+        return {"device": "cpu", "name": name, "flags": flags}
+    return {"device": device.type, "name": device.type, "flags": []}
+
+
+def model_identity(model: nn.Module) -> dict[str, str]:
+    """A model's name, revision and a hash of its config (tells apart models built in memory)."""
+    config = model.config
+    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    return {
+        "name": str(getattr(config, "_name_or_path", "") or ""),
+        "revision": str(getattr(config, "_commit_hash", "") or ""),
+        "config": digest,
+    }
+
+
+def device_fingerprint(target: PreTrainedModel, drafter: nn.Module) -> dict[str, Any]:
+    """Everything a calibration depends on; a cached calibration serves only an equal fingerprint."""
+    parameter = next(target.parameters())
+    return {
+        "version": CALIBRATION_VERSION,
+        **describe_device(parameter.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "target": model_identity(target),
+        "drafter": model_identity(drafter),
+    }
+
+
+def fingerprint_key(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def sampling_processors(target: PreTrainedModel, input_ids: torch.LongTensor, temperature: float) -> LogitsProcessorList:
+    """The logits processors `target.generate(input_ids, do_sample=True, temperature=...)` samples with: the
+    target's generation defaults merged as `generate` merges them (top-k, top-p, ...).
+
+    Uses `generate`'s own (private) preparation steps, so the distributions are the ones decoding uses.
+    """
+    config, _ = target._prepare_generation_config(None, do_sample=True, temperature=temperature)
+    return target._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(),
+    )
+
+
+def interleaved_median_ms(fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device) -> dict[Any, float]:
+    """Median wall time (ms) of each function over `repeats` rounds, each round calling every function once.
+
+    Interleaving makes slow periods of a noisy host hit every variant alike instead of biasing whichever was
+    timed then; the first round is warm-up.
+    """
+    times: dict[Any, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats + 1):
+        for key, fn in fns.items():
+            _, seconds = timed(fn, device)
+            times[key].append(1000 * seconds)
+    return {key: statistics.median(t[1:]) for key, t in times.items()}
+
+
+def timed(run: Callable[[], Any], device: torch.device | str) -> tuple[Any, float]:
+    """`run()` and its wall time in seconds, the device synchronised before and after (CUDA)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = run()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+@dataclass
+class Calibration:
+    """One device's measured costs for one target + drafter pair.
+
+    `stock_ms` / `kernel_ms`: a target forward over n tokens with the stock kernels and with the CPU verify
+    kernels (empty off CPU); `cost_model` takes the faster of the two per n, and its `kernel_rows` lists the
+    row counts where the kernels won by the margin.
+    """
+
+    fingerprint: dict[str, Any]
+    cost_model: CostModel
+    stock_ms: dict[int, float]
+    kernel_ms: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "cost_model": self.cost_model.to_dict(),
+            "stock_ms": self.stock_ms,
+            "kernel_ms": self.kernel_ms,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Calibration:
+        return cls(
+            fingerprint=raw["fingerprint"],
+            cost_model=CostModel.from_dict(raw["cost_model"]),
+            stock_ms={int(k): float(v) for k, v in raw["stock_ms"].items()},
+            kernel_ms={int(k): float(v) for k, v in raw["kernel_ms"].items()},
+            seconds=float(raw.get("seconds", 0.0)),
+        )
+
+    def table(self) -> str:
+        """The measured costs as a text table (plain steps = a one-token target forward)."""
+        cost, plain = self.cost_model, self.cost_model.verify_ms(1)
+        lines = [f"{'n':>4} {'stock ms':>9} {'kernels ms':>11} {'used':>8} {'plain steps':>12} {'drafter ms':>11}"]
+        for n in sorted(self.stock_ms):
+            kernels = f"{self.kernel_ms[n]:11.2f}" if n in self.kernel_ms else f"{'-':>11}"
+            used = "kernels" if n in cost.kernel_rows else "stock"
+            drafter = f"{cost.draft_ms(n):11.2f}" if n > 1 else f"{'-':>11}"
+            lines.append(f"{n:>4} {self.stock_ms[n]:9.2f} {kernels} {used:>8} {cost.verify_ms(n) / plain:12.2f} {drafter}")
+        lines.append(f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, "
+                     f"{cost.sampling_draw_ms:.2f} ms per draw")
+        return "\n".join(lines)
+
+
+@torch.inference_mode()
+def calibrate(
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    widths: Iterable[int] = DEFAULT_WIDTHS,
+    context_tokens: int = 256,
+    repeats: int = 5,
+    kernels: bool | None = None,
+) -> Calibration:
+    """Time target forwards over each width's token count (stock, and with the CPU verify kernels on CPU unless
+    `kernels=False`), the drafter per width, and the sampling work, over a `context_tokens`-long cached context.
+
+    The returned cost model uses, per row count, the faster variant; the kernels only where they took at
+    most `KERNEL_MARGIN` of the stock time (never slower than stock).
+    """
+    begin = time.perf_counter()
+    widths = sorted(set(widths) | {1})
+    device = next(target.parameters()).device
+    try_kernels = device.type == "cpu" if kernels is None else kernels
+    with_kernels = [n for n in widths if n > 1] if try_kernels else []
+    verify, others = _timed_forwards(target, drafter, widths, context_tokens)
+    ms = interleaved_median_ms({("stock", n): verify(n) for n in widths} | others, repeats, device)
+    if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
+        with cpu_verify_kernels(target):
+            ms |= interleaved_median_ms({("kernels", n): verify(n) for n in with_kernels}, repeats, device)
+    stock = {n: ms[("stock", n)] for n in widths}
+    kernel = {n: ms[("kernels", n)] for n in with_kernels}
+    kernel_rows = [n for n in with_kernels if kernel[n] <= KERNEL_MARGIN * stock[n]]
+    fingerprint = device_fingerprint(target, drafter)
+    cost = CostModel(
+        target_ms={n: kernel[n] if n in kernel_rows else stock[n] for n in widths},
+        drafter_ms={n: ms[("drafter", n)] for n in widths if n > 1},
+        device=str(device),
+        context_tokens=context_tokens,
+        sampling_process_ms=ms["sampling_process"],
+        sampling_draw_ms=ms["sampling_draw"],
+        kernel_rows=kernel_rows,
+        source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
+    )
+    return Calibration(fingerprint, cost, stock, kernel, time.perf_counter() - begin)
+
+
+def _timed_forwards(
+    target: PreTrainedModel, drafter: nn.Module, widths: list[int], context_tokens: int
+) -> tuple[Callable[[int], Callable[[], None]], dict[Any, Callable[[], None]]]:
+    """What `calibrate` times: a maker of target forwards over n tokens after a cached context, and the
+    drafter per width and the sampling work (one row processed, one draw)."""
+    device = target.device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, context_tokens), generator=generator).to(device)
+    prefix = DynamicCache()
+    with_prefix = {cache_argument(target): prefix}
+    out = target(context, **with_prefix, output_hidden_states=True)
+    hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(drafter.dtype)
+    head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
+    embed = target.get_input_embeddings()
+
+    def verify(n: int) -> Callable[[], None]:
+        block = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+
+        def run() -> None:
+            target(block, **with_prefix, output_hidden_states=True)
+            prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
+
+        return run
+
+    def draft(n: int) -> Callable[[], None]:
+        block = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+        cache = DraftContextCache()
+        positions = torch.arange(context_tokens, context_tokens + n, device=device)[None]
+        drafter.extend_context(hidden, torch.arange(context_tokens, device=device)[None], cache)
+
+        def run() -> None:
+            h = drafter(
+                block_embeds=drafter.embed_block(embed, block).to(drafter.dtype),
+                block_position_ids=positions,
+                target_hidden=hidden[:, :0],
+                context_position_ids=positions[:, :0],
+                cache=cache,
+            ).last_hidden_state
+            skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
+
+        return run
+
+    processors = sampling_processors(target, context, temperature=1.0)
+    row = torch.randn(1, vocab, generator=generator).to(device)
+    probs = processors(context, row.clone()).softmax(dim=-1)
+
+    def process_row() -> None:
+        processors(context, row.clone()).softmax(dim=-1)
+
+    def draw() -> None:
+        torch.multinomial(probs, num_samples=1)
+
+    others: dict[Any, Callable[[], None]] = {("drafter", n): draft(n) for n in widths if n > 1}
+    others.update(sampling_process=process_row, sampling_draw=draw)
+    return verify, others
+
+
+_resolved: dict[str, CostModel] = {}  # fingerprint key -> this process's cost model for it
+_resolving = threading.Lock()
+
+
+def calibration_path(fingerprint: dict[str, Any]) -> Path:
+    """Where the calibration for `fingerprint` is cached."""
+    return cache_root() / "calibration" / f"{fingerprint_key(fingerprint)}.json"
+
+
+def resolve_cost_model(
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    given: CostModel | None = None,
+    max_width: int = max(DEFAULT_WIDTHS),
+) -> CostModel:
+    """The cost model every speed decision of a request uses (the one resolution path):
+
+    `given` if one was passed; with calibration off (`HF_BLOCKPILOT_CALIBRATE=0`) the shipped table for the
+    device (a fallback); else this machine's calibration for the pair, from this process, the cache, or
+    measured now (a few seconds, once, with a progress line) and cached. `max_width`: the widest block the
+    caller may draft (a cached calibration narrower than it is re-measured wider).
+    """
+    if given is not None:
+        return given
+    device = next(target.parameters()).device
+    if not calibration_enabled():
+        return CostModel.default_for(device)
+    fingerprint = device_fingerprint(target, drafter)
+    key = fingerprint_key(fingerprint)
+    with _resolving:
+        cost = _resolved.get(key)
+        if cost is None or max(cost.target_ms) < max_width:
+            cost = _cached_or_measured(target, drafter, fingerprint, max_width).cost_model
+            _resolved[key] = cost
+    return cost
+
+
+def _cached_or_measured(
+    target: PreTrainedModel, drafter: nn.Module, fingerprint: dict[str, Any], max_width: int
+) -> Calibration:
+    path = calibration_path(fingerprint)
+    widths = sorted(set(DEFAULT_WIDTHS) | {max_width})
+    if path.is_file():
+        problem = None
+        try:
+            calibration = Calibration.from_dict(json.loads(path.read_text()))
+            if calibration.fingerprint != fingerprint:
+                problem = "was measured for another device, dtype or model"
+            elif max(calibration.cost_model.target_ms) < max_width:
+                problem = f"does not reach width {max_width}"
+                widths = sorted(set(widths) | set(calibration.stock_ms))
+            else:
+                return calibration
+        except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError is a ValueError
+            problem = f"is damaged ({type(err).__name__}: {err})"
+        warnings.warn(f"hf-blockpilot: the calibration cached at {path} {problem}; re-measuring it", stacklevel=4)
+    logger.info("hf-blockpilot: calibrating %s on %s (%s), once; cached at %s",
+                fingerprint["dtype"], fingerprint["name"], "CPU verify kernels vs stock" if fingerprint["device"] == "cpu"
+                else fingerprint["device"], path)
+    calibration = calibrate(target, drafter, widths)
+    logger.info("hf-blockpilot: calibrated in %.1f s", calibration.seconds)
+    save_calibration(calibration, path)
+    return calibration
+
+
+def save_calibration(calibration: Calibration, path: Path) -> None:
+    """Write atomically (a temporary file renamed over the entry), so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(calibration.to_dict(), indent=2))
+    partial.replace(path)
+
+
+def forget_resolved() -> None:
+    """Drop this process's resolved cost models (the next request reads the cache or re-measures)."""
+    with _resolving:
+        _resolved.clear()

@@ -1,0 +1,108 @@
+"""The guard around the default controller: never slower than plain decoding on the device's costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
+
+from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot.controllers import DraftController, SpeculationGuard
+from hf_blockpilot.costs import CostModel
+from hf_blockpilot.modeling_block_diffusion import DraftContextCache
+
+VOCAB = 61
+# a verify of up to 8 tokens costs one plain step; the drafter a fifth of one
+FLAT = CostModel(target_ms={1: 10.0, 8: 10.0}, drafter_ms={2: 2.0, 8: 2.0})
+# every multi-token verify costs three plain steps: no acceptance can pay for drafting
+STEEP = CostModel(target_ms={1: 10.0, 2: 30.0, 8: 30.0}, drafter_ms={2: 5.0, 8: 5.0})
+
+
+def pair(seed: int = 3) -> tuple[torch.nn.Module, BlockDiffusionDrafter, torch.Tensor]:
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=64, seed=seed)
+    drafter = make_drafter(target, block_size=6, seed=seed)  # random: its drafts are mostly rejected
+    prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed))
+    return target, drafter, prompt
+
+
+def guarded(cost: CostModel, **kwargs) -> SpeculationGuard:
+    guard = SpeculationGuard(DraftController(6), **kwargs)
+    guard.use_cost_model(cost)
+    return guard
+
+
+def test_a_request_decodes_plain_when_the_costs_say_speculation_loses():
+    target, drafter, prompt = pair()
+    plain = greedy_generate(target, prompt, 30, None)
+    out = greedy_generate(target, prompt, 30, None, assistant_model=drafter, draft_controller=guarded(STEEP))
+    stats = drafter.last_stats
+    assert torch.equal(out, plain)
+    assert stats.drafter_forwards == 0 and stats.block_size == 1
+    assert stats.plain_rounds == len(stats.widths_per_round) - 1 and stats.new_tokens == 30
+
+
+def test_drafting_pauses_below_break_even_and_probes_again_with_doubling_pauses():
+    target, drafter, prompt = pair()
+    plain = greedy_generate(target, prompt, 80, None)
+    # the prior (every second draft accepted) says drafting pays; this drafter's rounds say it does not
+    guard = guarded(FLAT, probe_rounds=2, first_pause=3, decay=0.0)
+    out = greedy_generate(target, prompt, 80, None, assistant_model=drafter, draft_controller=guard)
+    stats = drafter.last_stats
+    assert torch.equal(out, plain)
+    widths = stats.widths_per_round[1:]
+    pauses, run = [], 0
+    for w in widths:
+        if w == 1:
+            run += 1
+        elif run:
+            pauses.append(run)
+            run = 0
+    assert pauses[:3] == [3, 6, 12]  # each probe lost again: the pause doubled
+    assert widths[:2] == [6, 6] and stats.drafter_forwards == sum(1 for w in widths if w > 1)
+    assert stats.drafter_forwards < len(widths) // 2
+
+
+def test_drafting_that_pays_never_pauses():
+    target, _, prompt = pair()
+    plain = greedy_generate(target, prompt, 40, None)
+    torch.manual_seed(3)
+    drafter = ScriptedDrafter.from_target(target, block_size=6).eval().rig(target, plain[0], error_rate=0.0)
+    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guarded(FLAT, probe_rounds=2))
+    assert torch.equal(out, plain)
+    assert drafter.last_stats.plain_rounds == 0 and drafter.last_stats.tau > 3
+
+
+def test_drafting_resumed_after_a_pause_sees_the_whole_context(built_generators):
+    target, drafter, prompt = pair(seed=4)
+    guard = guarded(FLAT, probe_rounds=1, first_pause=2, decay=0.0)
+    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guard)
+    generator = built_generators[-1]
+    assert drafter.last_stats.plain_rounds > 0
+    # what the generator's cache (built across pauses) drafts equals a fresh cache fed the whole context
+    with torch.no_grad():
+        states = target(out, output_hidden_states=True).hidden_states
+    seen = generator.cache.get_seq_length() + sum(h.shape[1] for h in generator.pending_context)
+    assert seen == out.shape[1] - 2  # every committed token but the last, minus the final round's bonus
+    hidden = torch.cat([states[i + 1] for i in drafter.target_layer_ids], dim=-1)
+    block = drafter.embed_block(target.get_input_embeddings(), torch.full((1, 4), drafter.mask_token_id))
+    positions = torch.arange(seen, seen + 4)[None]
+
+    def draft(cache: DraftContextCache, new: torch.Tensor) -> torch.Tensor:
+        start = cache.get_seq_length()
+        context_positions = torch.arange(start, start + new.shape[1])[None]
+        with torch.no_grad():
+            return drafter(block_embeds=block, block_position_ids=positions, target_hidden=new,
+                           context_position_ids=context_positions, cache=cache).last_hidden_state
+
+    pending = torch.cat(generator.pending_context, dim=1) if generator.pending_context else hidden[:, :0]
+    resumed = draft(generator.cache, pending)
+    fresh = draft(DraftContextCache(), hidden[:, :seen])
+    torch.testing.assert_close(resumed, fresh, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(prior_acceptance=1.5), dict(decay=1.0), dict(probe_rounds=0)])
+def test_bad_guard_settings_are_clear_errors(kwargs):
+    with pytest.raises(ValueError, match="prior_acceptance"):
+        SpeculationGuard(DraftController(4), **kwargs)
+    with pytest.raises(TypeError, match="wraps a DraftController"):
+        SpeculationGuard(4)
