@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .costs import CostModel
+from .costs import PRIOR_ACCEPTANCE, CostModel
 
 MAX_BLOCK_SIZE = 256  # the widest block a controller may draft: far past any DFlash drafter's training size
 
@@ -477,7 +477,7 @@ class SpeculationGuard(DelegatingController):
     def __init__(
         self,
         inner: DraftController,
-        prior_acceptance: float = 0.5,
+        prior_acceptance: float = PRIOR_ACCEPTANCE,
         probe_rounds: int = 4,
         decay: float = 0.7,
         first_pause: int = 8,
@@ -518,10 +518,7 @@ class SpeculationGuard(DelegatingController):
             return False
         if self.cost_model is None:
             return True
-        prior = torch.full((width - 1,), self.prior_acceptance)
-        committed = expected_committed(prior)
-        rounds = torch.tensor([self.cost_model.modeled_round_ms(width, k, self.temperature) for k in range(width)])
-        return bool((committed / rounds).max() * self._plain_ms() > 1.0)
+        return self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature) * self._plain_ms() > 1.0
 
     def _plain_ms(self) -> float:
         return self.cost_model.modeled_round_ms(1, 0, self.temperature)

@@ -12,6 +12,8 @@ import torch
 from .stats import SpeculationStats
 
 ASSETS = Path(__file__).parent / "assets"
+#: The per-slot acceptance assumed where a decision is made before any drafting (the guard, `--dtype auto`).
+PRIOR_ACCEPTANCE = 0.5
 
 
 @dataclass
@@ -33,7 +35,7 @@ class CostModel:
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
     kernel_rows: list[int] = field(default_factory=list)  # row counts timed with the CPU verify kernels on
-    source: str = ""  # where the figures come from (a calibration, a shipped fallback, a file)
+    source: str = field(default="", compare=False)  # where the figures come from (calibration, fallback, file)
 
     def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
         """A round that drafts `block_size` slots and verifies every draft (b = 1: a plain decoding step)."""
@@ -57,6 +59,12 @@ class CostModel:
         if temperature > 0:
             ms += (2 * verified + 1) * self.sampling_process_ms + (verified + 1) * self.sampling_draw_ms
         return ms
+
+    def tokens_per_ms(self, width: int, acceptance: float, temperature: float = 0.0) -> float:
+        """Expected committed tokens per ms of a round drafting `width` slots, at the best verify count, when
+        each draft is accepted with probability `acceptance` given the ones before it (width 1: a plain step)."""
+        committed = [1.0 + sum(acceptance**i for i in range(1, k + 1)) for k in range(width)]
+        return max(c / self.modeled_round_ms(width, k, temperature) for k, c in enumerate(committed))
 
     def modeled_decode_ms(self, stats: SpeculationStats, temperature: float = 0.0) -> float:
         """The modeled time of a whole request from its per-round statistics (the prefill counted as one

@@ -14,6 +14,7 @@ Opt out with `HF_BLOCKPILOT_CALIBRATE=0` (the shipped tables are then used, name
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -30,10 +31,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
-from ._compat import cache_argument
-from .costs import CostModel
+from ._compat import cache_argument, runs_bf16_natively
+from .costs import PRIOR_ACCEPTANCE, CostModel
 from .cpu_kernels import cpu_verify_kernels, skinny_linear
 from .modeling_block_diffusion import DraftContextCache
 
@@ -138,17 +140,21 @@ def sampling_processors(target: PreTrainedModel, input_ids: torch.LongTensor, te
     )
 
 
-def interleaved_median_ms(fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device) -> dict[Any, float]:
+def interleaved_median_ms(
+    fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device, progress: tqdm | None = None
+) -> dict[Any, float]:
     """Median wall time (ms) of each function over `repeats` rounds, each round calling every function once.
 
     Interleaving makes slow periods of a noisy host hit every variant alike instead of biasing whichever was
-    timed then; the first round is warm-up.
+    timed then; the first round is warm-up. `progress` advances by one per call.
     """
     times: dict[Any, list[float]] = {key: [] for key in fns}
     for _ in range(repeats + 1):
         for key, fn in fns.items():
             _, seconds = timed(fn, device)
             times[key].append(1000 * seconds)
+            if progress is not None:
+                progress.update()
     return {key: statistics.median(t[1:]) for key, t in times.items()}
 
 
@@ -177,7 +183,8 @@ class Calibration:
     cost_model: CostModel
     stock_ms: dict[int, float]
     kernel_ms: dict[int, float] = field(default_factory=dict)
-    seconds: float = 0.0
+    seconds: float = 0.0  # how long measuring took
+    from_cache: bool = field(default=False, compare=False)  # read from the cache rather than measured now
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -233,10 +240,14 @@ def calibrate(
     try_kernels = device.type == "cpu" if kernels is None else kernels
     with_kernels = [n for n in widths if n > 1] if try_kernels else []
     verify, others = _timed_forwards(target, drafter, widths, context_tokens)
-    ms = interleaved_median_ms({("stock", n): verify(n) for n in widths} | others, repeats, device)
-    if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
-        with cpu_verify_kernels(target):
-            ms |= interleaved_median_ms({("kernels", n): verify(n) for n in with_kernels}, repeats, device)
+    stock_phase = {("stock", n): verify(n) for n in widths} | others
+    calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
+    name = describe_device(device)["name"]
+    with tqdm(total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False) as bar:
+        ms = interleaved_median_ms(stock_phase, repeats, device, bar)
+        if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
+            with cpu_verify_kernels(target):
+                ms |= interleaved_median_ms({("kernels", n): verify(n) for n in with_kernels}, repeats, device, bar)
     stock = {n: ms[("stock", n)] for n in widths}
     kernel = {n: ms[("kernels", n)] for n in with_kernels}
     kernel_rows = [n for n in with_kernels if kernel[n] <= KERNEL_MARGIN * stock[n]]
@@ -339,22 +350,25 @@ def resolve_cost_model(
     device = next(target.parameters()).device
     if not calibration_enabled():
         return CostModel.default_for(device)
-    fingerprint = device_fingerprint(target, drafter)
-    key = fingerprint_key(fingerprint)
+    key = fingerprint_key(device_fingerprint(target, drafter))
     with _resolving:
         cost = _resolved.get(key)
         if cost is None or max(cost.target_ms) < max_width:
-            cost = _cached_or_measured(target, drafter, fingerprint, max_width).cost_model
+            cost = load_or_calibrate(target, drafter, max_width).cost_model
             _resolved[key] = cost
     return cost
 
 
-def _cached_or_measured(
-    target: PreTrainedModel, drafter: nn.Module, fingerprint: dict[str, Any], max_width: int
+def load_or_calibrate(
+    target: PreTrainedModel, drafter: nn.Module, max_width: int = max(DEFAULT_WIDTHS), force: bool = False
 ) -> Calibration:
+    """This machine's calibration for the pair: the cached one, else (or with `force`) measured now and cached.
+    A cached entry that is damaged, of another fingerprint or narrower than `max_width` is re-measured with
+    one warning."""
+    fingerprint = device_fingerprint(target, drafter)
     path = calibration_path(fingerprint)
     widths = sorted(set(DEFAULT_WIDTHS) | {max_width})
-    if path.is_file():
+    if path.is_file() and not force:
         problem = None
         try:
             calibration = Calibration.from_dict(json.loads(path.read_text()))
@@ -364,6 +378,7 @@ def _cached_or_measured(
                 problem = f"does not reach width {max_width}"
                 widths = sorted(set(widths) | set(calibration.stock_ms))
             else:
+                calibration.from_cache = True
                 return calibration
         except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError is a ValueError
             problem = f"is damaged ({type(err).__name__}: {err})"
@@ -389,3 +404,22 @@ def forget_resolved() -> None:
     """Drop this process's resolved cost models (the next request reads the cache or re-measures)."""
     with _resolving:
         _resolved.clear()
+
+
+def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
+    """The dtype `--dtype auto` decodes in: on a CPU with native bf16 matmul (AMX or AVX512-BF16), bfloat16 where
+    this machine's calibration of a bfloat16 copy of the pair expects speculative decoding to run faster than
+    in float32 (`target` and `drafter` in float32); float32 on other CPUs; bfloat16 on GPUs that support it."""
+    device = next(target.parameters()).device
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type != "cpu" or not runs_bf16_natively(device):
+        return torch.float32
+    widths = range(1, max(DEFAULT_WIDTHS) + 1)
+
+    def best_rate(cost: CostModel) -> float:
+        return max(cost.tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths)
+
+    float32 = best_rate(resolve_cost_model(target, drafter))
+    bfloat16 = best_rate(resolve_cost_model(copy.deepcopy(target).bfloat16(), copy.deepcopy(drafter).bfloat16()))
+    return torch.bfloat16 if bfloat16 > float32 else torch.float32

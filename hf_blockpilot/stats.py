@@ -59,6 +59,11 @@ class SpeculationStats:
         return [a + 1 for a, d in zip(self.accepted_per_round, self.drafted_per_round) if d > 0]
 
     @property
+    def verified_per_round(self) -> float:
+        """Mean drafts sent to the target per verify round that carried drafts."""
+        return sum(self.drafted_per_round) / max(len(self.committed_per_draft_round), 1)
+
+    @property
     def acceptance_length(self) -> float:
         """Mean tokens committed per verify round that carried drafts (accepted + bonus; DFlash's metric)."""
         rounds = self.committed_per_draft_round

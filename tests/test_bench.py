@@ -23,8 +23,8 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
     baselines = {"heuristic", "ema", "entropy", "adaptive"}  # the per-round controllers, beside the fixed sizes
     assert set(report["settings"]["controllers"]) == baselines
     for run in report["runs"]:
-        assert set(run["summary"]) == {"plain", "b=2", "b=4", "oracle"} | baselines
-        assert len(run["results"]) == 2 * 7  # prompts x (plain + 2 fixed sizes + 4 controllers)
+        assert set(run["summary"]) == {"plain", "b=2", "b=4", "default", "oracle"} | baselines
+        assert len(run["results"]) == 2 * 8  # prompts x (plain + 2 fixed sizes + the default + 4 controllers)
         assert run["summary"]["plain"]["speedup"] == 1.0
         assert 0 < run["summary"]["b=4"]["verified_per_round"] <= 3
         assert 0 <= run["summary"]["adaptive"]["verified_per_round"] <= 15  # a random drafter: often none
@@ -55,7 +55,7 @@ def test_bench_with_prompt_lookup_records_it(tmp_path):
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["prompt_lookup"] is True
-    assert set(report["runs"][0]["summary"]) == {"plain", "b=4", "oracle"}  # --no-baselines
+    assert set(report["runs"][0]["summary"]) == {"plain", "b=4", "default", "oracle"}  # --no-baselines
     assert all(r["identical_to_plain"] for r in report["runs"][0]["results"])
     assert "Prompt lookup on" in (out / "results.md").read_text()
 

@@ -132,23 +132,3 @@ def test_greedy_speculative_output_unchanged_under_cpu_kernels(kernels):
         with kernels(target, drafter):
             assert torch.equal(target.generate(prompt, **kwargs), expected)
             assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
-
-
-def test_timed_generate_runs_both_methods_under_cpu_verify_kernels():
-    from hf_blockpilot.tools.evaluation import timed_generate
-
-    target = make_target("llama", vocab_size=48, hidden_size=64, seed=4)
-    drafter = make_drafter(target, block_size=4)
-    seen = []
-    target.register_forward_pre_hook(
-        lambda module, args: seen.append(
-            "forward" in target.lm_head.__dict__
-            and target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
-        )
-    )
-    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(0))
-    for assistant in (None, drafter):
-        seen.clear()
-        timed_generate(target, prompt, assistant, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert seen and all(seen)
-    assert "forward" not in target.lm_head.__dict__ and target.config._attn_implementation == "sdpa"

@@ -93,14 +93,15 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
     def spy(target, input_ids, drafter=None, **kwargs):
         if kwargs.get("max_new_tokens") == 6:  # the timed runs (warm-up runs take 4 tokens)
             controller = kwargs.get("draft_controller")
-            order.append("plain" if drafter is None else controller.describe().replace("fixed(b=", "b=").rstrip(")"))
+            order.append("plain" if drafter is None else controller.describe())
         return real(target, input_ids, drafter, **kwargs)
 
     monkeypatch.setattr(evaluation, "timed_generate", spy)
     results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(2, 4), policy=_SlowFirstCallPolicy(),
                              max_new_tokens=6, repeats=3)
-    assert order == ["plain", "b=2", "b=4", "policy"] * 3  # round-robin, not all repeats of one method in a row
-    assert [r.method for r in results] == ["plain", "b=2", "b=4", "policy"]
+    # round-robin, not all repeats of one method in a row; `default` is what generate runs with no controller
+    assert order == ["plain", "fixed(b=2)", "fixed(b=4)", "policy", "guarded(fixed(b=4))"] * 3
+    assert [r.method for r in results] == ["plain", "b=2", "b=4", "policy", "default"]
     assert all(r.identical_to_plain for r in results)
 
 

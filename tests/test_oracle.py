@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import ScriptedDrafter, make_drafter, make_target
 
-from hf_blockpilot.training.oracle import expected_sampled_stats, replay_block_size, sampling_processors
+from hf_blockpilot.device_calibration import sampling_processors
+from hf_blockpilot.training.oracle import expected_sampled_stats, replay_block_size
 
 VOCAB, HIDDEN = 48, 64
 

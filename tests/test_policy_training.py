@@ -14,7 +14,6 @@ from hf_blockpilot.training.policy_training import (
     CostModel,
     PolicyTrainingConfig,
     evaluate_choices,
-    measure_cost_model,
     objective_values,
     train_policy,
 )
@@ -75,18 +74,6 @@ def test_policy_learns_the_per_prompt_choice(loss):
     assert report.policy_value > report.best_fixed_value, report
     assert report.oracle_counts[1] > 0 and report.oracle_counts[8] > 0
     assert policy.candidates == CANDIDATES and policy.objective == "throughput"
-
-
-def test_measure_cost_model_on_a_tiny_pair():
-    target = make_target("llama", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
-    drafter = make_drafter(target)
-    cost = measure_cost_model(target, drafter, [1, 4], context_tokens=16, repeats=2)
-    assert set(cost.target_ms) == {1, 4} and set(cost.drafter_ms) == {4}
-    assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
-    assert cost.round_ms(1) == cost.target_ms[1]
-    assert cost.sampling_process_ms > 0 and cost.sampling_draw_ms > 0
-    sampled = 7 * cost.sampling_process_ms + 4 * cost.sampling_draw_ms
-    assert cost.round_ms(4, temperature=1.0) == pytest.approx(cost.round_ms(4) + sampled)
 
 
 def test_cost_models_written_before_draws_were_timed_apart_load_as_they_were_charged():

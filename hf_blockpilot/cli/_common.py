@@ -78,7 +78,10 @@ def device_arg(text: str) -> str:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="drafter Hub id or directory (default: the embedded drafter)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--dtype", default="auto",
+                        help="float32, bfloat16, float16, or auto (default): bfloat16 on a CPU with native bf16 matmul "
+                             "(AMX, AVX512-BF16) where this machine's calibration expects it faster, else float32; "
+                             "bfloat16 on a GPU")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
 
 def add_lookup_arg(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +94,7 @@ def add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
 
 def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
     """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags."""
+    from ..device_calibration import preferred_dtype
     from ..tools.loading import (
         checked_source,
         resolve_drafter,
@@ -103,8 +107,13 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTo
     for what, source in (("target", args.target), ("drafter", args.drafter), ("policy", policy_source)):
         if source is not None and source not in ("default", "none"):
             checked_source(source, what)
-    target, tokenizer = resolve_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = resolve_drafter(args.drafter, dtype=args.dtype, device=args.device)
+    auto = args.dtype == "auto"  # decided below, by this machine's calibration
+    target, tokenizer = resolve_target(args.target, dtype="float32" if auto else args.dtype, device=args.device)
+    drafter = resolve_drafter(args.drafter, dtype="float32" if auto else args.dtype, device=args.device)
+    if auto:
+        chosen = preferred_dtype(target, drafter)
+        target.to(chosen)
+        drafter.to(chosen)
     drafter.prompt_lookup = getattr(args, "prompt_lookup", False)
     if getattr(args, "use_policy", None) is not None:
         # the embedded policy only belongs to the embedded pair

@@ -19,24 +19,24 @@ from ._common import (
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..controllers import AdaptiveVerify, baseline_controllers
-    from ..costs import CostModel
+    from ..device_calibration import resolve_cost_model
     from ..tools.bench import markdown_report, run_benchmark
 
     file_cost_model = load_cost_model(args.cost_model) if args.cost_model else None  # a wrong path fails first
     target, tokenizer, drafter = load_models(args)
     policy = drafter.policy
     block_sizes = args.block_sizes or ([b for b in policy.candidates if b > 1] if policy else [4, 8, 16])
-    # the device's costs: the file given, else the policy's (what it was trained with), else the shipped ones
-    cost_model = file_cost_model or getattr(policy, "cost_model", None) or CostModel.default_for(target.device)
+    # the costs `generate` decides with (the file given, else this machine's calibration), for the modeled columns
+    cost_model = resolve_cost_model(target, drafter, file_cost_model, args.max_block_size)
     controllers = {}
     if not args.no_baselines:
         controllers = {k: v for k, v in baseline_controllers([], args.max_block_size).items()}
         # calibrated by the policy's acceptance model where it carries one
         controllers["adaptive"] = AdaptiveVerify(
-            args.max_block_size, acceptance=getattr(policy, "acceptance_model", None), cost_model=cost_model
+            args.max_block_size, acceptance=getattr(policy, "acceptance_model", None), cost_model=file_cost_model
         )
         if policy is not None:
-            controllers["adaptive+policy"] = AdaptiveVerify(policy=policy, cost_model=cost_model)
+            controllers["adaptive+policy"] = AdaptiveVerify(policy=policy, cost_model=file_cost_model)
     report = run_benchmark(
         target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
         args.max_new_tokens, args.repeats, args.output_dir, controllers, args.reference, cost_model,
@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only plain, fixed block sizes and the policy (no per-round controllers)")
     p.add_argument("--cost-model", default=None,
                    help="cost_model.json to also time every method's rounds with (`hf-blockpilot measure-cost`; "
-                        "default: the policy's, else the shipped one for the device, timed for the embedded pair)")
+                        "default: this machine's calibration, as generate uses)")
     p.add_argument("--reference", action="store_true",
                    help="also time the DFlash authors' loop (dflash_generate) beside ours at each fixed b, with the "
                         "drafter's full-vocabulary variant on both sides (pip install --no-deps dflash==0.1.0)")

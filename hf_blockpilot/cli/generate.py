@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +22,18 @@ from ._common import (
     prompt_text,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..controllers import DraftController
+    from ..modeling_block_diffusion import BlockDiffusionDrafter
+
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from ..data import chat_inputs
+    from ..device_calibration import describe_device
     from ..tools.evaluation import timed_generate
 
     target, tokenizer, drafter = load_models(args)
@@ -34,31 +42,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         gen["temperature"] = args.temperature
-    if args.compare:  # warm both paths so neither pays first-call costs in the comparison
-        timed_generate(target, input_ids, drafter, max_new_tokens=8, do_sample=False, draft_controller=controller)
-        timed_generate(target, input_ids, max_new_tokens=8, do_sample=False)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, seconds = timed_generate(target, input_ids, drafter, streamer=streamer, draft_controller=controller, **gen)
     if args.no_stream:
         print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
     stats = drafter.last_stats
+    device = describe_device(target.device)
     result = {
+        "device": f"{device['name']} ({' '.join(device['flags']) or 'no listed matmul flags'})",
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "costs": stats.cost_model_source,
         "controller": stats.controller,
         "block_size": stats.block_size,
         "tau": round(stats.tau, 3),
-        "verified_per_round": round(sum(stats.drafted_per_round) / max(len(stats.committed_per_draft_round), 1), 2),
+        "verified_per_round": round(stats.verified_per_round, 2),
+        "plain_rounds": stats.plain_rounds,
         "new_tokens": stats.new_tokens,
         "tokens_per_second": round(stats.new_tokens / seconds, 2),
     }
     if drafter.prompt_lookup:
         result["lookup_rounds"] = stats.lookup_rounds
     if args.compare:
-        plain, plain_seconds = timed_generate(target, input_ids, **gen)
-        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
-        result["plain_tokens_per_second"] = round(plain_tps, 2)
-        result["speedup"] = round(result["tokens_per_second"] / plain_tps, 3)
-        if not gen["do_sample"]:
-            result["identical_to_plain"] = bool(torch.equal(out, plain))
+        result.update(compare_with_plain(target, input_ids, drafter, controller, gen, args.repeats, out))
     # stdout: the answer, then the results (or, with --json, the JSON record alone and the results on stderr)
     results_to = sys.stderr if args.json else sys.stdout
     print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=results_to)
@@ -70,6 +75,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(result))
     return 0 if result.get("identical_to_plain", True) else 1
+
+
+def compare_with_plain(
+    target: PreTrainedModel, input_ids: torch.Tensor, drafter: BlockDiffusionDrafter, controller: DraftController,
+    gen: dict, repeats: int, answer: torch.Tensor,
+) -> dict:
+    """Both sides timed alike: warmed, no streaming, `repeats` runs each taken in turn, the median kept."""
+    from ..tools.evaluation import timed_generate
+
+    warm = dict(max_new_tokens=8, do_sample=False)
+    timed_generate(target, input_ids, drafter, draft_controller=controller, **warm)
+    timed_generate(target, input_ids, **warm)
+    ours, plain = [], []
+    for _ in range(repeats):
+        ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
+        plain.append(timed_generate(target, input_ids, **gen))
+    (out, seconds), (plain_out, plain_seconds) = (sorted(runs, key=lambda run: run[1])[len(runs) // 2]
+                                                  for runs in (ours, plain))
+    new_tokens = out.shape[1] - input_ids.shape[1]
+    plain_tps = (plain_out.shape[1] - input_ids.shape[1]) / plain_seconds
+    result = {
+        "timed_runs": f"{repeats} per side, no streaming, after a warm-up (median)",
+        "speculative_tokens_per_second": round(new_tokens / seconds, 2),
+        "plain_tokens_per_second": round(plain_tps, 2),
+        "speedup": round(new_tokens / seconds / plain_tps, 3),
+    }
+    if not gen["do_sample"]:
+        result["identical_to_plain"] = bool(torch.equal(answer, plain_out)) and bool(torch.equal(out, plain_out))
+    return result
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,7 +120,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="adaptive: verify the drafts worth it each round (default); fixed: every draft; "
                         "heuristic / ema / entropy: the baselines of `bench`")
     add_optional_policy_arg(p)
-    p.add_argument("--compare", action="store_true", help="also run plain generate: speedup and identical output")
+    p.add_argument("--compare", action="store_true",
+                   help="also time plain generate the same way (warmed, unstreamed, --repeats runs each): speedup and "
+                        "identical output")
+    p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per side with --compare (median)")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     p.set_defaults(func=cmd_generate)

@@ -24,9 +24,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..data import chat_training_prompts, load_prompts, stdlib_training_prompts
+    from ..device_calibration import calibrate
     from ..training.data import unseen_prompts
     from ..training.oracle import collect_oracle_labels
-    from ..training.policy_training import measure_cost_model
 
     if args.adaptive and not args.cost_model:
         raise ValueError("--adaptive weighs each round's verify budget by the measured cost model: drop --no-cost-model")
@@ -44,7 +44,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     cost_path = Path(args.output_dir) / "cost_model.json"
     if shard == 0 and args.cost_model and not cost_path.exists():
         cost_path.parent.mkdir(parents=True, exist_ok=True)
-        measure_cost_model(target, drafter, args.candidates).save(cost_path)
+        calibrate(target, drafter, args.candidates).cost_model.save(cost_path)
     if args.verify and shard == 0:
         from ..training.oracle import check_replay_against_decoding
 
@@ -112,21 +112,38 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
                   f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), oracle b counts {row['oracle_counts']}")
     return 0
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ..device_calibration import calibration_path, load_or_calibrate
+
+    target, _, drafter = load_models(args)
+    calibration = load_or_calibrate(target, drafter, args.max_width, force=args.force)
+    fingerprint = calibration.fingerprint
+    print(f"device: {fingerprint['name']} ({' '.join(fingerprint['flags']) or 'no listed matmul flags'}), "
+          f"{fingerprint['dtype']}, {fingerprint['threads']} threads, torch {fingerprint['torch']}")
+    print(calibration.table())
+    kernels = calibration.cost_model.kernel_rows
+    print(f"CPU verify kernels: {'on for ' + str(kernels) + ' tokens' if kernels else 'off (stock is as fast or faster)'}")
+    how = "read from the cache" if calibration.from_cache else f"measured in {calibration.seconds:.1f} s"
+    print(f"{how}: {calibration_path(fingerprint)}")
+    return 0
+
+
 def cmd_measure_cost(args: argparse.Namespace) -> int:
-    from ..training.policy_training import measure_cost_model
+    from ..device_calibration import calibrate
 
     target, _, drafter = load_models(args)
     sizes = sorted(set(args.candidates) | {1})  # b = 1 (a plain step) is the reference
-    cost = measure_cost_model(target, drafter, sizes, args.context_tokens, args.repeats)
+    calibration = calibrate(target, drafter, sizes, args.context_tokens, args.repeats)
+    cost = calibration.cost_model
     cost.save(args.output)
+    print(calibration.table())
     plain = cost.round_ms(1)
     for b in sizes:
         print(f"b={b}: round {cost.round_ms(b):.2f} ms = {cost.round_ms(b) / plain:.2f} plain steps "
               f"(at T>0: {cost.round_ms(b, 1.0):.2f} ms)")
-    print(f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, {cost.sampling_draw_ms:.2f} ms "
-          "per draw")
     print(f"cost model written to {args.output}")
     return 0
+
 
 def cmd_evaluate_policy(args: argparse.Namespace) -> int:
     from dataclasses import asdict
@@ -225,6 +242,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "default: fitted on the rounds recorded in --labels")
     p.add_argument("--seed", type=int, default=training.seed)
     p.set_defaults(func=cmd_train_policy)
+
+    p = sub.add_parser("calibrate", help="time this machine's costs for the pair (cached; generate does it on first "
+                                         "use) and print the table")
+    add_model_args(p)
+    p.add_argument("--max-width", type=block_size_arg, default=16, help="the widest block to time")
+    p.add_argument("--force", action="store_true", help="re-measure even if a calibration is cached")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("measure-cost", help="time verify rounds per block size on this device (a policy's cost model)")
     add_model_args(p)

@@ -19,40 +19,30 @@ from .. import __version__
 from ..controllers import DraftController
 from ..costs import CostModel
 from ..data import load_prompts
+from ..device_calibration import cpu_description, describe_device
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import MethodResult, decode_methods, summarize_methods
 from .reference_peer import ReferencePeer, peer_markdown, summarize_peers
 
 
-def cpu_model() -> str:
-    """The CPU's model name (`/proc/cpuinfo` on Linux), else what `platform` knows: CPU timings differ by model."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: torch.device | str) -> dict:
-    """What the numbers were measured on."""
-    device = torch.device(device)
-    info = {
+def machine_info(target: PreTrainedModel) -> dict:
+    """What the numbers were measured on: the device (CPU model and its matmul flags, or GPU name and
+    capability), threads, dtype and library versions."""
+    parameter = next(target.parameters())
+    device = describe_device(parameter.device)
+    return {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu": cpu_model(),
+        "cpu": device["name"] if device["device"] == "cpu" else cpu_description()[0],
         "cpu_threads": torch.get_num_threads(),
+        "device": str(parameter.device),
+        "device_name": device["name"],
+        "device_flags": device["flags"],
+        "dtype": str(parameter.dtype).removeprefix("torch."),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hf_blockpilot": __version__,
-        "device": str(device),
     }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def run_benchmark(
@@ -78,12 +68,13 @@ def run_benchmark(
     (`tools.reference_peer`; needs `pip install --no-deps dflash==0.1.0`). `cost_model`: also time every
     method's rounds on the device's cost model (noise-free, decision overhead excluded) and, per fixed b at T = 0,
     the per-round verify oracle: how fast any per-round verify budget at that width could be."""
-    report: dict = {"machine": machine_info(target.device), "settings": {
+    report: dict = {"machine": machine_info(target), "settings": {
         "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
         "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
         "prompt_lookup": drafter.prompt_lookup,
         "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
+        "cost_model_source": cost_model.source if cost_model is not None else None,
     }, "runs": [], "reference": []}
     peer = ReferencePeer(drafter) if reference else None  # a missing package fails before any decoding
     for temperature in temperatures:
@@ -116,9 +107,11 @@ def run_benchmark(
 def markdown_report(report: dict) -> str:
     """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead; with a
     cost model, the modeled speedup and (fixed b, T = 0) the per-round verify oracle's."""
-    lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_threads']} threads, "
-             f"device {report['machine']['device']}, torch {report['machine']['torch']}, "
-             f"transformers {report['machine']['transformers']}."
+    machine = report["machine"]
+    lines = [f"Machine: {machine.get('device_name', machine['cpu'])} ({' '.join(machine.get('device_flags', []))}), "
+             f"{machine['cpu_threads']} threads, device {machine['device']}, dtype {machine.get('dtype', '?')}, "
+             f"torch {machine['torch']}, transformers {machine['transformers']}; costs: "
+             f"{report['settings'].get('cost_model_source') or 'none'}."
              + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""), ""]
     for run in report["runs"]:
         modeled = any("modeled_speedup" in row for row in run["summary"].values())

@@ -21,8 +21,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from ..controllers import AdaptiveVerify, DraftController
-from ..cpu_kernels import cpu_verify_kernels
+from ..controllers import DraftController, default_controller
 from ..data import chat_inputs
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import SpeculationStats
@@ -178,17 +177,14 @@ def build_demo(
 ):
     """The Gradio Blocks app (call `.queue().launch()`); one request at a time shares the models safely.
 
-    `controller`: how BlockPilot drafts and verifies (default: `AdaptiveVerify` under the drafter's policy, or at
-    its block size)."""
+    `controller`: how BlockPilot drafts and verifies (default: what `generate` runs by default,
+    `default_controller(drafter)`)."""
     import gradio as gr
 
-    if controller is None:
-        policy = drafter.policy
-        controller = AdaptiveVerify(policy=policy) if policy is not None else AdaptiveVerify(drafter.block_size)
+    controller = controller or default_controller(drafter)
 
     def run(prompt: str, max_new_tokens: int):
-        with cpu_verify_kernels(target, drafter):  # both sides get the CPU few-token kernels, as in timed_generate
-            yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens), controller)
+        yield from compare_stream(target, tokenizer, drafter, prompt, int(max_new_tokens), controller)
 
     with gr.Blocks(title="hf-blockpilot") as demo:
         gr.Markdown(

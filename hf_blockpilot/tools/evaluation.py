@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -12,29 +11,25 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..controllers import BlockSizePolicy, DraftController, PolicyBlockSize
+from ..controllers import (
+    BlockSizePolicy,
+    DraftController,
+    PolicyBlockSize,
+    default_controller,
+)
 from ..costs import CostModel
-from ..cpu_kernels import cpu_verify_kernels
 from ..data import PromptRecord, chat_inputs
+from ..device_calibration import timed
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import SpeculationStats
 
 T = TypeVar("T")
 
 
-def timed_call(run: Callable[[], T], target: nn.Module, *drafters: nn.Module) -> tuple[T, float]:
-    """`run()` with wall time (device synchronised), under `cpu_verify_kernels(target, *drafters)` (faster
-    few-token forwards on CPU; one-token steps are unchanged); switching the kernels (a few ms) is not timed."""
-    cuda = next(target.parameters()).device.type == "cuda"
-    with cpu_verify_kernels(target, *drafters):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = run()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return out, seconds
+def timed_call(run: Callable[[], T], target: nn.Module) -> tuple[T, float]:
+    """`run()` with wall time (the target's device synchronised). Plain and speculative `generate` are timed
+    alike: the CPU verify kernels are `generate`'s own choice, from this machine's calibration."""
+    return timed(run, next(target.parameters()).device)
 
 
 def timed_generate(
@@ -44,7 +39,7 @@ def timed_generate(
     mask = torch.ones_like(input_ids)
     return timed_call(
         lambda: target.generate(input_ids, attention_mask=mask, assistant_model=drafter, **kwargs),
-        target, *([drafter] if drafter is not None else []),
+        target,
     )
 
 
@@ -89,7 +84,7 @@ def measure_tau(
 
 @dataclass
 class MethodResult:
-    """One prompt decoded by one method (`plain`, `b=<n>`, `policy` or a named controller)."""
+    """One prompt decoded by one method (`plain`, `b=<n>`, `policy`, `default` or a named controller)."""
 
     prompt_id: str
     method: str
@@ -127,8 +122,10 @@ def decode_methods(
     controllers: Mapping[str, DraftController] | None = None,
     cost_model: CostModel | None = None,
 ) -> list[MethodResult]:
-    """Decode each prompt with plain `generate`, each fixed block size, the policy (if given) and each named
-    controller, every one passed per call as `draft_controller` (the drafter itself is left untouched).
+    """Decode each prompt with plain `generate`, each fixed block size, the policy's widths with every draft
+    verified (`policy`, if given), `default` (what `generate` runs with no `draft_controller`:
+    `default_controller(drafter)`) and each named controller, every one passed per call as `draft_controller`
+    (the drafter itself is left untouched).
 
     Real end-to-end decoding (no recorded lookups); time is the median over `repeats`, taken round-robin over
     the methods; at T=0 every output is compared with plain `generate`. With a `cost_model`, every result also
@@ -141,15 +138,17 @@ def decode_methods(
     methods.update({f"b={b}": DraftController(b) for b in block_sizes})
     if policy is not None:
         methods["policy"] = PolicyBlockSize(policy)
+    methods["default"] = default_controller(drafter)
     methods.update(controllers or {})
-    # the policy's first call pays one-time costs of its own; otherwise any drafted method warms the path
-    warm_controller = methods.get("policy") or next((c for c in methods.values() if c), DraftController(drafter.block_size))
+    # first calls pay one-time costs of their own (a policy's, the calibration's): warm those paths untimed
+    warm_controllers = [c for c in (methods.get("policy"), methods["default"]) if c is not None]
     results = []
     for record in tqdm(prompts, desc="decoding", unit="prompt"):
         input_ids = chat_inputs(tokenizer, record.prompt, target.device)
         # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
         timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)
-        timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False, draft_controller=warm_controller)
+        for controller in warm_controllers:
+            timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False, draft_controller=controller)
         # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
         # all methods alike instead of whichever was being timed.
         runs: dict[str, list] = {name: [] for name in methods}

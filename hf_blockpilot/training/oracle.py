@@ -34,6 +34,7 @@ from ..candidate_generator import BlockDiffusionCandidateGenerator
 from ..controllers import AcceptanceModel, AdaptiveVerify, DraftController
 from ..costs import CostModel
 from ..data import PromptRecord, chat_inputs
+from ..device_calibration import sampling_processors
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..policy import checked_feature_layers, prefill_features
 from ..stats import SpeculationStats
@@ -76,21 +77,6 @@ def replay_block_size(
         cur = min(cur + matches + 1, sequence.shape[1])
         generator.update_candidate_strategy(sequence[:, :cur], None, matches)
     return generator.stats
-
-
-def sampling_processors(target: PreTrainedModel, input_ids: torch.LongTensor, temperature: float) -> LogitsProcessorList:
-    """The logits processors `target.generate(input_ids, do_sample=True, temperature=...)` samples with: the
-    target's generation defaults merged as `generate` merges them (top-k, top-p, ...).
-
-    Uses `generate`'s own (private) preparation steps, so the labels' distributions are the ones decoding uses.
-    """
-    config, _ = target._prepare_generation_config(None, do_sample=True, temperature=temperature)
-    return target._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=input_ids.shape[1],
-        encoder_input_ids=input_ids,
-        logits_processor=LogitsProcessorList(),
-    )
 
 
 def expected_sampled_stats(

@@ -3,130 +3,19 @@
 from __future__ import annotations
 
 import random
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from .._compat import cache_argument
 from ..controllers import AcceptanceModel
 from ..costs import CostModel
-from ..cpu_kernels import cpu_verify_kernels, skinny_linear
-from ..modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..policy import BlockPilotPolicy
 from .calibration import fit_acceptance_model
-from .oracle import OracleRecord, sampling_processors
-
-
-def _interleaved_median_ms(fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device) -> dict[Any, float]:
-    """Median wall time (ms) of each function over `repeats` rounds, each round calling every function once.
-
-    Interleaving makes slow periods of a noisy host (other processes, clock changes) hit every block size
-    alike instead of biasing whichever was timed then; the first round is warm-up.
-    """
-    times: dict[Any, list[float]] = {key: [] for key in fns}
-    for _ in range(repeats + 1):
-        for key, fn in fns.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[key].append(1000 * (time.perf_counter() - start))
-    return {key: statistics.median(t[1:]) for key, t in times.items()}
-
-
-@torch.inference_mode()
-def measure_cost_model(
-    target: PreTrainedModel,
-    drafter: BlockDiffusionDrafter,
-    block_sizes: Sequence[int],
-    context_tokens: int = 256,
-    repeats: int = 5,
-) -> CostModel:
-    """Time target and drafter forwards for each block size over a `context_tokens`-long cached context, and
-    the sampling work on one row of logits (the target's own sampling processors at T=1, and one draw).
-
-    Timed as `generate` runs them in this package's tools: under `cpu_verify_kernels` (see `cpu_kernels`).
-    """
-    with cpu_verify_kernels(target, drafter):
-        return _measure_cost_model(target, drafter, block_sizes, context_tokens, repeats)
-
-
-def _measure_cost_model(
-    target: PreTrainedModel, drafter: BlockDiffusionDrafter, block_sizes: Sequence[int], context_tokens: int, repeats: int
-) -> CostModel:
-    device = target.device
-    vocab = target.get_input_embeddings().weight.shape[0]
-    context = torch.randint(0, vocab, (1, context_tokens), device=device)
-    prefix = DynamicCache()
-    with_prefix = {cache_argument(target): prefix}
-    out = target(context, **with_prefix, output_hidden_states=True)
-    hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
-    head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
-    embed = target.get_input_embeddings()
-
-    def verify(b: int) -> Callable[[], None]:
-        block = torch.randint(0, vocab, (1, b), device=device)
-
-        def run() -> None:
-            target(block, **with_prefix, output_hidden_states=True)
-            prefix.crop(-b)  # negative = tokens to remove, on every Transformers 5.x
-
-        return run
-
-    def draft(b: int) -> Callable[[], None]:
-        block = torch.randint(0, vocab, (1, b), device=device)
-        cache = DraftContextCache()
-        drafter(
-            block_embeds=embed(block[:, :0]),
-            block_position_ids=torch.zeros((1, 0), dtype=torch.long, device=device),
-            target_hidden=hidden,
-            context_position_ids=torch.arange(context_tokens, device=device)[None],
-            cache=cache,
-        )
-        positions = torch.arange(context_tokens, context_tokens + b, device=device)[None]
-
-        def run() -> None:
-            h = drafter(
-                block_embeds=embed(block),
-                block_position_ids=positions,
-                target_hidden=hidden[:, :0],
-                context_position_ids=positions[:, :0],
-                cache=cache,
-            ).last_hidden_state
-            skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
-
-        return run
-
-    processors = sampling_processors(target, context, temperature=1.0)
-    row = torch.randn(1, vocab, device=device)
-    probs = processors(context, row.clone()).softmax(dim=-1)
-
-    def process_row() -> None:
-        processors(context, row.clone()).softmax(dim=-1)
-
-    def draw() -> None:
-        torch.multinomial(probs, num_samples=1)
-
-    fns: dict[Any, Callable[[], None]] = {("target", b): verify(b) for b in block_sizes}
-    fns.update({("drafter", b): draft(b) for b in block_sizes if b > 1})
-    fns.update(sampling_process=process_row, sampling_draw=draw)
-    ms = _interleaved_median_ms(fns, repeats, device)
-    return CostModel(
-        target_ms={b: ms[("target", b)] for b in block_sizes},
-        drafter_ms={b: ms[("drafter", b)] for b in block_sizes if b > 1},
-        device=str(device),
-        context_tokens=context_tokens,
-        sampling_process_ms=ms["sampling_process"],
-        sampling_draw_ms=ms["sampling_draw"],
-    )
+from .oracle import OracleRecord
 
 
 def objective_values(record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None) -> list[float]:

@@ -1,0 +1,156 @@
+"""Per-device calibration: measured once per fingerprint, cached, re-measured when stale; kernels by measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import greedy_generate, make_drafter, make_target
+
+from hf_blockpilot import candidate_generator, device_calibration
+from hf_blockpilot.controllers import AdaptiveVerify, DraftController
+from hf_blockpilot.costs import CostModel
+from hf_blockpilot.device_calibration import (
+    calibrate,
+    calibration_path,
+    device_fingerprint,
+    forget_resolved,
+    resolve_cost_model,
+)
+
+VOCAB = 48
+
+
+@pytest.fixture
+def calibrating(monkeypatch, tmp_path):
+    """Calibration on, into a fresh cache; counts the measurements (each a real, tiny `calibrate`)."""
+    monkeypatch.setenv("HF_BLOCKPILOT_CALIBRATE", "1")
+    monkeypatch.setenv("HF_BLOCKPILOT_CACHE", str(tmp_path))
+    forget_resolved()
+    measured = []
+
+    def quick(target, drafter, widths, *args, **kwargs):
+        measured.append(sorted(widths))
+        return calibrate(target, drafter, widths, context_tokens=8, repeats=1)
+
+    monkeypatch.setattr(device_calibration, "calibrate", quick)
+    yield measured
+    forget_resolved()
+
+
+def pair(seed: int = 0):
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=64, seed=seed)
+    return target, make_drafter(target, block_size=4, seed=seed)
+
+
+def test_calibrate_times_every_width_both_kernel_variants_and_sampling():
+    target, drafter = pair()
+    calibration = calibrate(target, drafter, [1, 2, 4], context_tokens=16, repeats=2)
+    cost = calibration.cost_model
+    assert set(calibration.stock_ms) == {1, 2, 4} and set(calibration.kernel_ms) == {2, 4}
+    assert set(cost.target_ms) == {1, 2, 4} and set(cost.drafter_ms) == {2, 4}
+    assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
+    for n in (2, 4):  # the cost of n tokens is the variant that serves n
+        chosen = calibration.kernel_ms[n] if n in cost.kernel_rows else calibration.stock_ms[n]
+        assert cost.target_ms[n] == chosen
+    assert cost.sampling_process_ms > 0 and cost.sampling_draw_ms > 0
+    assert cost.source.startswith("calibrated on ") and "float32" in cost.source
+    sampled = 7 * cost.sampling_process_ms + 4 * cost.sampling_draw_ms
+    assert cost.round_ms(4, temperature=1.0) == pytest.approx(cost.round_ms(4) + sampled)
+    assert "kernels ms" in calibration.table()
+
+
+@pytest.mark.parametrize("kernel_factor, expected_rows", [(1.5, []), (0.99, []), (0.5, [2, 4])])
+def test_kernels_serve_only_row_counts_where_they_measured_faster(monkeypatch, kernel_factor, expected_rows):
+    def injected(fns, repeats, device, progress=None):
+        return {key: (kernel_factor * 10.0 if key[0] == "kernels" else 10.0) if isinstance(key, tuple) else 1.0
+                for key in fns}
+
+    monkeypatch.setattr(device_calibration, "interleaved_median_ms", injected)
+    target, drafter = pair()
+    cost = calibrate(target, drafter, [1, 2, 4], context_tokens=8).cost_model
+    assert cost.kernel_rows == expected_rows
+    assert cost.target_ms[4] == (5.0 if expected_rows else 10.0)
+
+
+def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
+    target, drafter = pair()
+    cost = resolve_cost_model(target, drafter)
+    assert len(calibrating) == 1 and max(cost.target_ms) == 16
+    path = calibration_path(device_fingerprint(target, drafter))
+    assert json.loads(path.read_text())["fingerprint"] == device_fingerprint(target, drafter)
+    assert resolve_cost_model(target, drafter) is cost  # this process: no file read
+    forget_resolved()
+    again = resolve_cost_model(target, drafter)  # a new process: from the cache, not measured
+    assert len(calibrating) == 1 and again.target_ms == cost.target_ms
+    with pytest.warns(UserWarning, match="does not reach width 24"):  # wider than cached: re-measured
+        resolve_cost_model(target, drafter, max_width=24)
+    assert len(calibrating) == 2 and max(calibrating[-1]) == 24
+
+
+def test_a_changed_fingerprint_recalibrates(calibrating, monkeypatch):
+    target, drafter = pair()
+    resolve_cost_model(target, drafter)
+    other_cpu = {"device": "cpu", "name": "Another CPU", "flags": ["avx2"]}
+    monkeypatch.setattr(device_calibration, "describe_device", lambda device: other_cpu)
+    forget_resolved()
+    cost = resolve_cost_model(target, drafter)
+    assert len(calibrating) == 2 and "Another CPU" in cost.source
+    # a stale entry at the same path (another fingerprint) is re-measured with a warning
+    path = calibration_path(device_fingerprint(target, drafter))
+    raw = json.loads(path.read_text())
+    raw["fingerprint"]["torch"] = "0.0"
+    path.write_text(json.dumps(raw))
+    forget_resolved()
+    with pytest.warns(UserWarning, match="another device, dtype or model"):
+        resolve_cost_model(target, drafter)
+    assert len(calibrating) == 3
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"fingerprint": {}}', "[]"])
+def test_a_damaged_cache_entry_is_re_measured_with_one_warning(calibrating, damage):
+    target, drafter = pair()
+    path = calibration_path(device_fingerprint(target, drafter))
+    path.parent.mkdir(parents=True)
+    path.write_text(damage)
+    with pytest.warns(UserWarning, match="damaged|another device") as caught:
+        cost = resolve_cost_model(target, drafter)
+    assert len([w for w in caught if "hf-blockpilot" in str(w.message)]) == 1
+    assert len(calibrating) == 1 and cost.target_ms
+    assert json.loads(path.read_text())["cost_model"]["target_ms"]  # replaced by a good entry
+
+
+def test_opting_out_or_passing_costs_skips_calibration(calibrating, monkeypatch):
+    target, drafter = pair()
+    given = CostModel(target_ms={1: 1.0}, drafter_ms={}, source="mine")
+    assert resolve_cost_model(target, drafter, given) is given
+    monkeypatch.setenv("HF_BLOCKPILOT_CALIBRATE", "0")
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    greedy_generate(target, prompt, 6, None, assistant_model=drafter)
+    assert drafter.last_stats.cost_model_source.startswith("shipped fallback")
+    greedy_generate(target, prompt, 6, None, assistant_model=drafter, draft_controller=AdaptiveVerify(4, cost_model=given))
+    assert drafter.last_stats.cost_model_source == "mine" and calibrating == []
+
+
+def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measured_rows(calibrating, monkeypatch):
+    target, drafter = pair()
+    switched = []
+    real = candidate_generator.use_cpu_verify_kernels
+    monkeypatch.setattr(candidate_generator, "use_cpu_verify_kernels",
+                        lambda *models, rows: switched.append(sorted(rows)) or real(*models, rows=rows))
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    plain = greedy_generate(target, prompt, 12, None)
+    out = greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
+    assert torch.equal(out, plain) and len(calibrating) == 1
+    assert drafter.last_stats.cost_model_source.startswith("calibrated on")
+    measured_rows = resolve_cost_model(target, drafter).kernel_rows
+    assert switched == ([measured_rows] if measured_rows else [])
+    for rows in ([3], []):
+        cost = CostModel(target_ms={1: 1.0, 4: 1.0}, drafter_ms={4: 0.1}, kernel_rows=rows)
+        controller = AdaptiveVerify(4, cost_model=cost)
+        switched.clear()
+        assert torch.equal(greedy_generate(target, prompt, 12, None, assistant_model=drafter,
+                                           draft_controller=controller), plain)
+        assert switched == ([rows] if rows else [])
+    assert target.config._attn_implementation == "sdpa"  # switched back after the call
