@@ -165,7 +165,9 @@ class BlockDiffusionAttention(nn.Module):
         if cache is None:
             key, value = torch.cat([key_ctx, key_blk], dim=-2), torch.cat([value_ctx, value_blk], dim=-2)
         else:
-            key, value = cache.update(self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, self.context_keep)
+            key, value = cache.update(
+                self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, keep=self.context_keep
+            )
         if attention_mask is None:
             attention_mask = draft_attention_mask(
                 q_len, key.shape[-2], self.is_causal, self.sliding_window, hidden_states.device
