@@ -31,3 +31,21 @@ def grouped_sdpa(
             attention_mask = mask.reshape(attention_mask.shape[0], 1, groups * q_len, attention_mask.shape[-1])
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
     return out.reshape(batch, heads, q_len, value.shape[-1])
+
+
+def draft_attention_mask(
+    q_len: int, k_len: int, is_causal: bool, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """The DFlash reference's boolean mask (1, 1, q_len, k_len), True = attend, for the last `q_len` of `k_len`
+    contiguous keys as queries: causal, a query sees no later key; with a window W, no key W or more tokens
+    before it (and, not causal, none W or more after it). `None` when every key is visible. Built on `device`."""
+    if not is_causal and sliding_window is None:
+        return None
+    query = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    distance = query - torch.arange(k_len, device=device)[None, :]  # how far each key lies before the query
+    visible = distance >= 0 if is_causal else torch.ones_like(distance, dtype=torch.bool)
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+        if not is_causal:
+            visible &= distance > -sliding_window
+    return visible[None, None]

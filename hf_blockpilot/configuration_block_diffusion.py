@@ -21,6 +21,8 @@ DFLASH_MODEL_TYPE = "qwen3"
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 #: Fields the reference reads from `dflash_config` first, then from the top level of the config.
 _NESTED_FIELDS = ("mask_token_id", "target_layer_ids", *DFLASH2_FIELDS)
+#: Draft-layer kinds (`layer_types` entries) the drafter implements.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 _TOP_LEVEL_FIELDS = ("block_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
 
 
@@ -73,9 +75,12 @@ class BlockDiffusionConfig(Qwen3Config):
     output_multiplier (`float`): draft logits are multiplied by this.
     final_logit_softcapping (`float`, optional): draft logits are soft-capped, `c * tanh(logits / c)`.
 
+    Draft attention follows the reference: `layer_types` (full or sliding-window layers, with `sliding_window`
+    and `use_sliding_window` as in Qwen3) and an optional top-level `is_causal` overriding each layer's default
+    (sliding layers causal, full layers not); see `layer_attention`.
+
     As in the reference loader, each DFlash field may sit in `dflash_config` or at the top level
-    (`dflash_config` wins); fields the package cannot honour (causal or sliding-window draft attention) are an
-    error naming them.
+    (`dflash_config` wins); fields the package cannot honour are an error naming them.
     """
 
     model_type = "blockpilot_dflash"
@@ -102,16 +107,7 @@ class BlockDiffusionConfig(Qwen3Config):
             raise ValueError(
                 f"block_size must be an int >= 2 (one anchor slot plus drafts), got {self.block_size!r}"
             )
-        unsupported = []
-        if getattr(self, "is_causal", None):
-            unsupported.append("is_causal=true (causal draft attention)")
-        if "sliding_attention" in (getattr(self, "layer_types", None) or []):
-            unsupported.append("layer_types with sliding_attention (sliding-window draft attention)")
-        if unsupported:
-            raise ValueError(
-                f"this drafter's config asks for {' and '.join(unsupported)}, which hf-blockpilot does not implement "
-                "yet: it would draft differently from the checkpoint's reference implementation"
-            )
+        self._check_attention_fields()
         unknown = sorted(set(self.dflash_config) - set(_NESTED_FIELDS))
         if unknown:
             raise ValueError(
@@ -120,6 +116,38 @@ class BlockDiffusionConfig(Qwen3Config):
                 "checkpoint's reference implementation"
             )
         self._check_dflash2_fields()
+
+    def _check_attention_fields(self) -> None:
+        """Per-layer attention the drafter implements: full or sliding-window layers, causal or not."""
+        is_causal = getattr(self, "is_causal", None)
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise ValueError(f"is_causal must be true, false or absent (per-layer default), got {is_causal!r}")
+        layer_types = list(self.layer_types or [])
+        unknown = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"this drafter's layer_types lists {unknown}, which hf-blockpilot does not implement for draft layers "
+                f"(known: {list(ATTENTION_LAYER_TYPES)}): it would draft differently from the checkpoint's reference"
+            )
+        if "sliding_attention" not in layer_types:
+            return
+        window = self.sliding_window
+        if window is None:
+            raise ValueError(
+                "this drafter's layer_types lists sliding_attention but it has no window (sliding_window is null, or "
+                "use_sliding_window=false turns it off): set use_sliding_window=true and sliding_window, or list "
+                "those layers as full_attention"
+            )
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"sliding_window must be an int >= 1 (tokens a query sees), got {window!r}")
+
+    def layer_attention(self, layer_idx: int) -> tuple[bool, int | None]:
+        """`(is_causal, sliding_window)` of draft layer `layer_idx`, as the reference reads them: a sliding layer
+        is causal unless a top-level `is_causal` says otherwise, a full layer non-causal unless it says so."""
+        layer_type = self.layer_types[layer_idx] if self.layer_types else "full_attention"
+        sliding = layer_type == "sliding_attention"
+        is_causal = getattr(self, "is_causal", None)
+        return (sliding if is_causal is None else is_causal), (self.sliding_window if sliding else None)
 
     def _check_dflash2_fields(self) -> None:
         given = [name for name in DFLASH2_FIELDS if self.dflash_config.get(name) is not None]

@@ -1,10 +1,11 @@
 """The block-diffusion (DFlash) drafter.
 
 One forward drafts a whole block: slot 0 holds the last accepted token, slots 1..b-1 a mask token. Every
-draft layer attends, without a causal mask, over `[context ; block]`, where the context is the target's
-hidden states at `target_layer_ids`, concatenated, projected by `fc` and normed by `hidden_norm`, and fed
-as extra keys/values to every layer. RoPE runs at absolute positions. The drafter owns no embedding and no
-LM head: it borrows the target's.
+draft layer attends over `[context ; block]`, where the context is the target's hidden states at
+`target_layer_ids`, concatenated, projected by `fc` and normed by `hidden_norm`, and fed as extra keys/values to
+every layer; without a mask (z-lab's drafters), or causal and/or within a sliding window, per layer, as the
+config's `layer_types`, `sliding_window` and `is_causal` say. RoPE runs at absolute positions. The drafter owns
+no embedding and no LM head: it borrows the target's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ._compat import tensor_version
-from .attention import grouped_sdpa
+from .attention import draft_attention_mask, grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .controllers import check_block_size
 
@@ -45,16 +46,19 @@ class DraftContextCache:
 
     Only context K/V is kept (each verified token's K/V is computed once); the block's own K/V is
     recomputed every draft and never stored. Storage grows geometrically and new entries are written in
-    place, so a round copies only its new tokens, not the whole context.
+    place, so a round copies only its new tokens, not the whole context. A sliding-window layer keeps only the
+    context its window can still reach: when its storage is full, older tokens are dropped instead of growing it.
     """
 
     def __init__(self) -> None:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._lengths: list[int] = []  # tokens stored per layer
+        self._dropped: list[int] = []  # tokens dropped per layer (out of its window), before the stored ones
 
     def get_seq_length(self) -> int:
-        return self._lengths[0] if self._lengths else 0
+        """Context tokens taken in so far (stored or dropped)."""
+        return self._lengths[0] + self._dropped[0] if self._lengths else 0
 
     def update(
         self,
@@ -63,21 +67,33 @@ class DraftContextCache:
         value: torch.Tensor,
         block_key: torch.Tensor | None = None,
         block_value: torch.Tensor | None = None,
+        keep: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new context K/V (batch, kv_heads, new, head_dim) for `layer_idx`; return the layer's context
         K/V followed by `block_key`/`block_value` if given (written after the context but not kept: the next
-        update overwrites them). The results are views of the storage, valid until the next update."""
+        update overwrites them). The results are views of the storage, valid until the next update.
+
+        `keep`: later rounds need only the layer's last `keep` context tokens (a sliding window); older ones may
+        be dropped, so the returned context is its latest tokens, at least `keep` of them where there are."""
         if layer_idx == len(self._keys):
             self._keys.append(key.new_empty(*key.shape[:-2], 0, key.shape[-1]))
             self._values.append(value.new_empty(*value.shape[:-2], 0, value.shape[-1]))
             self._lengths.append(0)
+            self._dropped.append(0)
         start = self._lengths[layer_idx]
+        added = key.shape[-2] + (0 if block_key is None else block_key.shape[-2])
+        capacity = self._keys[layer_idx].shape[-2]
+        if start + added > capacity:
+            drop = 0 if keep is None else max(start - keep, 0)
+            if drop:
+                start = self._drop(layer_idx, drop)
+            # after a drop, room for as much again as is in use: drops (each a copy of `keep` tokens) stay rare
+            if start + added > capacity or (drop and 2 * (start + added) > capacity):
+                capacity = max(start + added, 2 * capacity, 64)
+                self._keys[layer_idx] = self._grow(self._keys[layer_idx], start, capacity)
+                self._values[layer_idx] = self._grow(self._values[layer_idx], start, capacity)
         end = start + key.shape[-2]
-        total = end + (0 if block_key is None else block_key.shape[-2])
-        if total > self._keys[layer_idx].shape[-2]:
-            capacity = max(total, 2 * self._keys[layer_idx].shape[-2], 64)
-            self._keys[layer_idx] = self._grow(self._keys[layer_idx], start, capacity)
-            self._values[layer_idx] = self._grow(self._values[layer_idx], start, capacity)
+        total = start + added
         self._keys[layer_idx][..., start:end, :] = key
         self._values[layer_idx][..., start:end, :] = value
         if block_key is not None:
@@ -85,6 +101,15 @@ class DraftContextCache:
             self._values[layer_idx][..., end:total, :] = block_value
         self._lengths[layer_idx] = end
         return self._keys[layer_idx][..., :total, :], self._values[layer_idx][..., :total, :]
+
+    def _drop(self, layer_idx: int, count: int) -> int:
+        """Drop the layer's `count` oldest stored tokens (moving the rest to the front); return how many remain."""
+        start = self._lengths[layer_idx]
+        for stored in (self._keys[layer_idx], self._values[layer_idx]):
+            stored[..., : start - count, :] = stored[..., count:start, :].clone()
+        self._lengths[layer_idx] = start - count
+        self._dropped[layer_idx] += count
+        return start - count
 
     @staticmethod
     def _grow(stored: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
@@ -94,7 +119,8 @@ class DraftContextCache:
 
 
 class BlockDiffusionAttention(nn.Module):
-    """Non-causal attention of block queries over [context ; block] keys/values (Qwen3 style, q/k norms)."""
+    """Attention of block queries over [context ; block] keys/values (Qwen3 style, q/k norms): non-causal and
+    unwindowed unless the config makes this layer causal or a sliding-window layer."""
 
     def __init__(self, config: BlockDiffusionConfig, layer_idx: int):
         super().__init__()
@@ -110,6 +136,9 @@ class BlockDiffusionAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.is_causal, self.sliding_window = config.layer_attention(layer_idx)
+        #: context tokens later rounds can still attend to: a window's reach back from the block's first slot
+        self.context_keep = None if self.sliding_window is None else self.sliding_window - 1
 
     def _keys_values(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
@@ -136,7 +165,13 @@ class BlockDiffusionAttention(nn.Module):
         if cache is None:
             key, value = torch.cat([key_ctx, key_blk], dim=-2), torch.cat([value_ctx, value_blk], dim=-2)
         else:
-            key, value = cache.update(self.layer_idx, key_ctx, value_ctx, key_blk, value_blk)
+            key, value = cache.update(
+                self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, keep=self.context_keep
+            )
+        if attention_mask is None:
+            attention_mask = draft_attention_mask(
+                q_len, key.shape[-2], self.is_causal, self.sliding_window, hidden_states.device
+            )
         out = grouped_sdpa(query, key, value, attention_mask, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
@@ -411,7 +446,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         rotary = self.rotary_emb(context, context_position_ids)
         for layer in self.layers:
             attention = layer.self_attn
-            cache.update(attention.layer_idx, *attention._keys_values(context, rotary))
+            cache.update(attention.layer_idx, *attention._keys_values(context, rotary), keep=attention.context_keep)
 
     def forward(
         self,
@@ -430,8 +465,9 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
             target_hidden: (batch, c, len(target_layer_ids) * hidden) concatenated target hidden states of
                 context tokens not yet in `cache`.
             context_position_ids: (batch, c) absolute positions of those context tokens.
-            attention_mask: optional boolean (batch, 1, n, cached + c + n) mask, True = attend. `None`: every
-                block slot sees all context and the whole block (inference of a single block).
+            attention_mask: optional boolean (batch, 1, n, cached + c + n) mask, True = attend, used by every
+                layer as it is (as the reference does). `None`: one block, each layer attending as the config
+                says (all of the context and the block, unless causal or within a sliding window).
             cache: context K/V of earlier tokens, extended in place.
 
         Returns:

@@ -68,6 +68,23 @@ def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0,
     return drafter
 
 
+def make_windowed_drafter(target, sliding_window: int, layer_types: list[str] | None = None,
+                          is_causal: bool | None = None, **kwargs) -> BlockDiffusionDrafter:
+    """`make_drafter(target, **kwargs)`'s drafter (same weights) with the newer z-lab drafters' attention:
+    `layer_types` (default: all sliding) over a `sliding_window`, and a top-level `is_causal` if given."""
+    from hf_blockpilot.configuration_block_diffusion import BlockDiffusionConfig
+
+    base = make_drafter(target, **kwargs)
+    config = base.config.to_dict()
+    config.update(use_sliding_window=True, sliding_window=sliding_window,
+                  layer_types=layer_types or ["sliding_attention"] * config["num_hidden_layers"])
+    if is_causal is not None:
+        config["is_causal"] = is_causal
+    drafter = BlockDiffusionDrafter(BlockDiffusionConfig.from_dict(config)).to(target.dtype).eval()
+    drafter.load_state_dict(base.state_dict())
+    return drafter
+
+
 def init_dflash2(model: torch.nn.Module, seed: int, sharpen: float) -> None:
     """Random DFlash 2 weights that make the convolutions and the selector matter (the reference leaves
     `base_kernel` uninitialised) and drafts that a target often accepts."""

@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 
 import torch
-from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
+from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target, make_windowed_drafter
+
+import hf_blockpilot
+from hf_blockpilot import AdaptiveVerify
+from hf_blockpilot.costs import CostModel
 
 VOCAB, HIDDEN = 48, 64  # vocab <= hidden lets ScriptedDrafter invert the LM head exactly
 
@@ -84,3 +88,35 @@ def test_block_size_setter_and_other_sizes(family):
         assert torch.equal(greedy_generate(target, prompt, 20, None, assistant_model=drafter), expected)
         assert drafter.last_stats.block_size == block_size
         assert max(drafter.last_stats.drafted_per_round) == min(block_size - 1, 20 - 2)  # prefill commits 1, one slot stays for the bonus
+
+
+def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_controller(built_generators):
+    """A drafter with a causal sliding-window layer (window 3) and a full one, over contexts far longer than the
+    window: identical to plain `generate` under the CPU verify kernels, with and without prompt lookup, under a
+    policy and under the per-round controller; its context cache dropped what the window no longer reaches."""
+    from test_policy import make_policy
+
+    target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=1)
+    drafter = make_windowed_drafter(target, 3, ["sliding_attention", "full_attention"], num_hidden_layers=2,
+                                    block_size=6, scale=6.0)
+    cost = CostModel(target_ms={1: 10.0, 16: 14.0}, drafter_ms={16: 1.0})
+    drafted = lookups = 0
+    for seed in range(3):
+        prompt = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
+        expected = greedy_generate(target, prompt, 90, None)
+        for control in ("block size", "policy", "controller"):
+            for lookup in (False, True):
+                drafter.prompt_lookup = lookup
+                drafter.set_policy(make_policy(target, drafter, (3, 6), prompt_lookup=lookup) if control == "policy"
+                                   else None)
+                controller = AdaptiveVerify(6, cost_model=cost) if control == "controller" else None
+                with hf_blockpilot.cpu_verify_kernels(target, drafter):
+                    got = greedy_generate(target, prompt, 90, None, assistant_model=drafter,
+                                          draft_controller=controller)
+                assert torch.equal(got, expected), (seed, control, lookup)
+                cache = built_generators[-1].cache
+                assert cache._dropped[0] > 0 and cache._dropped[1] == 0  # only the sliding layer drops
+                drafted += sum(drafter.last_stats.drafted_per_round)
+                lookups += drafter.last_stats.lookup_rounds
+    drafter.set_policy(None)
+    assert drafted > 100 and lookups > 0

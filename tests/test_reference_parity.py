@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import greedy_generate, make_target
-from transformers import DynamicCache, Qwen3Config
+from transformers import Qwen3Config
 
 from hf_blockpilot import BlockDiffusionDrafter
 from hf_blockpilot.modeling_block_diffusion import DraftContextCache
@@ -60,24 +60,92 @@ def test_draft_hidden_states_equal_the_reference_fresh_and_cached(tmp_path, fami
     ref = reference_drafter(target, tmp_path / "d")
     ours = BlockDiffusionDrafter.from_pretrained(tmp_path / "d").eval()
     assert ours.block_size == 4 and ours.mask_token_id == VOCAB - 1 and ours.target_layer_ids == [0, 2]
-    ids = torch.randint(1, VOCAB - 1, (1, 14), generator=torch.Generator().manual_seed(1))
+    assert_cached_drafts_equal(ref, ours, target, spans=((0, 9), (9, 13)), width=4, tolerance=1e-5)
+
+
+def assert_cached_drafts_equal(ref, ours, target, spans, width: int, tolerance: float) -> None:
+    """Blocks of `width` drafted after a fresh context (the first span), then after each further span on the
+    cached one (the reference's own cache, cropped as its loop does): equal draft hidden states and equal draft
+    distributions at T = 1."""
+    ids = torch.randint(1, VOCAB - 1, (1, spans[-1][1] + 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         hidden = target(ids, output_hidden_states=True).hidden_states
         context = torch.cat([hidden[i + 1] for i in ours.target_layer_ids], dim=-1)
         embed = target.get_input_embeddings()
-        ref_cache, our_cache = DynamicCache(config=ref.config), DraftContextCache()
-        for start, stop in ((0, 9), (9, 13)):  # a fresh context, then one more round on the cached one
-            block = torch.full((1, 4), VOCAB - 1)
+        ref_cache, our_cache = reference._make_cache(ref.config), DraftContextCache()
+        for start, stop in spans:
+            block = torch.full((1, width), ours.mask_token_id)
             block[0, 0] = ids[0, stop]
-            positions = torch.arange(start, stop + 4)[None]
+            positions = torch.arange(start, stop + width)[None]
             expected = ref(target_hidden=context[:, start:stop], noise_embedding=embed(block),
-                           position_ids=positions, past_key_values=ref_cache, use_cache=True)[:, -4:]
-            ref_cache.crop(stop - ref_cache.get_seq_length())  # keep the context only, as the reference loop does
-            got = ours(block_embeds=embed(block), block_position_ids=positions[:, -4:],
-                       target_hidden=context[:, start:stop], context_position_ids=positions[:, :-4],
+                           position_ids=positions, past_key_values=ref_cache, use_cache=True)[:, -width:]
+            reference._crop_to(ref_cache, stop)  # keep the context only, as the reference loop does
+            got = ours(block_embeds=embed(block), block_position_ids=positions[:, -width:],
+                       target_hidden=context[:, start:stop], context_position_ids=positions[:, :-width],
                        cache=our_cache).last_hidden_state
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(target.lm_head(got), ref.compute_logits(expected, target.lm_head))
+            torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(ours.finish_logits(target.lm_head(got)).softmax(-1),
+                                       ref.compute_logits(expected, target.lm_head).softmax(-1))
+
+
+#: The newer z-lab drafters' draft-layer attention (gpt-oss family, larger DFlash 2 drafters), each field where the
+#: reference reads it, with the (is_causal, sliding_window) each of the two layers gets. Windows of 2-4 tokens:
+#: contexts and blocks longer than them.
+ATTENTION_EDITS = {
+    "sliding layer (causal by default), full layer": (lambda c: c.update(
+        layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=3),
+        [(True, 3), (False, None)]),
+    "sliding layers, is_causal=false": (lambda c: c.update(
+        layer_types=["sliding_attention"] * 2, use_sliding_window=True, sliding_window=2, is_causal=False),
+        [(False, 2), (False, 2)]),
+    "full and sliding layer, is_causal=true": (lambda c: c.update(
+        layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=4, is_causal=True),
+        [(True, None), (True, 4)]),
+    "full layers, is_causal=true": (lambda c: c.update(is_causal=True), [(True, None), (True, None)]),
+    "use_sliding_window=true over max_window_layers": (lambda c: (c.pop("layer_types"), c.update(
+        use_sliding_window=True, sliding_window=3, max_window_layers=1)), [(False, None), (True, 3)]),
+    "use_sliding_window=false (window off)": (lambda c: (c.pop("layer_types"), c.update(
+        use_sliding_window=False, sliding_window=2, max_window_layers=0)), [(False, None), (False, None)]),
+}
+
+
+@pytest.mark.parametrize("version", ["v1", "dflash2"])
+@pytest.mark.parametrize("attention", sorted(ATTENTION_EDITS))
+def test_draft_attention_kinds_draft_as_the_reference(tmp_path, monkeypatch, version, attention):
+    """Sliding-window and causal draft layers, v1 and DFlash 2: each layer attends as the reference's, with equal
+    draft hidden states and T = 1 distributions (fresh, then cached over a context longer than the window) and
+    greedy rounds equal to `dflash_generate`'s."""
+    from test_dflash2 import reference_dflash2  # that module imports this one
+
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    edit, layers = ATTENTION_EDITS[attention]
+    target = _target("qwen3", seed=1).double()
+    (reference_drafter if version == "v1" else reference_dflash2)(target, tmp_path / "d", block_size=6, seed=3)
+    _edit_config(tmp_path / "d", edit)
+    model_class = reference.DFlashDraftModel if version == "v1" else reference.DFlash2DraftModel
+    ref = model_class.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
+    ours = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
+    for model in (ref, ours):
+        assert [(layer.self_attn.is_causal, layer.self_attn.sliding_window) for layer in model.layers] == layers
+    assert_cached_drafts_equal(ref, ours, target, spans=((0, 9), (9, 13), (13, 14), (14, 20)), width=6,
+                               tolerance=1e-9)
+    full = partial = 0
+    for case in range(4):
+        counts = assert_rounds_equal_the_reference(ref, ours, target, random.Random(case), case)
+        full, partial = full + counts[0], partial + counts[1]
+    assert full + partial > 0, "no draft was ever accepted: the rounds compared nothing"
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 3, 20])
+def test_draft_attention_mask_is_the_references(is_causal, window):
+    from hf_blockpilot.attention import draft_attention_mask
+
+    for q_len, k_len in ((1, 1), (4, 4), (4, 11), (6, 9)):
+        query, key = torch.zeros(1, 1, q_len, 2), torch.zeros(1, 1, k_len, 2)
+        expected = reference._attention_mask(query, key, is_causal=is_causal, sliding_window=window)
+        got = draft_attention_mask(q_len, k_len, is_causal, window, query.device)
+        assert expected.all() if got is None else torch.equal(got, expected), (q_len, k_len)
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +281,14 @@ def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, f
 
 @pytest.mark.parametrize(
     ("edit", "message"),
-    [(lambda c: c.update(is_causal=True), "is_causal=true"),
+    [(lambda c: c.update(is_causal="yes"), "is_causal must be true, false or absent"),
+     # sliding layers without a window: the reference's own loop cannot build their cache
      (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=4),
-      "sliding_attention"),
+      "lists sliding_attention but it has no window"),
+     (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], use_sliding_window=True,
+                         sliding_window=0), "sliding_window must be an int >= 1"),
+     (lambda c: c.update(layer_types=["chunked_attention"] * c["num_hidden_layers"]),
+      r"lists \['chunked_attention'\], which hf-blockpilot does not implement"),
      # weights under the other architecture name: never load as the other family and draft something else
      (lambda c: c.update(architectures=["DFlash2DraftModel"]), "lacks DFlash 2 fields"),
      (lambda c: c["dflash_config"].update(noise_schedule="cosine"), r"does not know: \['noise_schedule'\]")],

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import char_tokenizer, make_target
+from conftest import char_tokenizer, make_target, make_windowed_drafter
 
 from hf_blockpilot import BlockDiffusionDrafter
 from hf_blockpilot.data import PromptRecord
@@ -40,6 +40,14 @@ def test_block_attention_mask_is_exactly_the_specified_one():
             assert mask[q, key] == (key < anchors[j]), (q, key)
         for key in range(3 * b):  # blocks: only its own, bidirectionally
             assert mask[q, ctx + key] == (key // b == j), (q, key)
+
+
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_training_a_sliding_window_drafter_is_refused(is_causal):
+    """Its block mask would train full attention into layers that draft within a window."""
+    drafter = make_windowed_drafter(make_target("qwen3", vocab_size=48, hidden_size=64), 4, is_causal=is_causal)
+    with pytest.raises(ValueError, match="causal or sliding-window layers"):
+        DrafterTrainer(drafter, None, [], None, "unused", DrafterTrainingConfig())
 
 
 def test_loss_weights_decay_like_dflash():

@@ -159,6 +159,11 @@ class DrafterTrainer:
                 "training DFlash 2 drafters (convolutions and a candidate selector) is not implemented: train a DFlash "
                 "(v1) drafter, or fine-tune a DFlash 2 one with the authors' recipe"
             )
+        if any(drafter.config.layer_attention(i) != (False, None) for i in range(drafter.config.num_hidden_layers)):
+            raise ValueError(
+                "training drafters with causal or sliding-window layers (layer_types / is_causal) is not implemented: "
+                "the training mask would ignore them. Train a drafter with full, non-causal layers (from_target's)"
+            )
         self.config = config
         self.drafter = drafter.train()
         usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
