@@ -243,7 +243,8 @@ def calibrate(
     stock_phase = {("stock", n): verify(n) for n in widths} | others
     calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
     name = describe_device(device)["name"]
-    with tqdm(total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False) as bar:
+    with tqdm(total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False,
+              mininterval=1.0) as bar:
         ms = interleaved_median_ms(stock_phase, repeats, device, bar)
         if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
             with cpu_verify_kernels(target):

@@ -123,11 +123,12 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTo
     return target, tokenizer, drafter
 
 
-CONTROLLERS = ("adaptive", "fixed", "heuristic", "ema", "entropy")
+CONTROLLERS = ("default", "adaptive", "fixed", "heuristic", "ema", "entropy")
 
 
 def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int | None) -> DraftController:
-    """The `--controller` of a command: `block_size` (if given) replaces the drafter's policy as the width."""
+    """The `--controller` of a command: `default` is what `generate` runs with no controller
+    (`default_controller`); `block_size` (if given) replaces the drafter's policy as the width."""
     from ..controllers import (
         AcceptanceEMA,
         AdaptiveVerify,
@@ -135,10 +136,14 @@ def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int 
         EntropyStop,
         HeuristicSchedule,
         PolicyBlockSize,
+        SpeculationGuard,
+        default_controller,
     )
 
     policy = drafter.policy if block_size is None else None
     width = block_size or drafter.block_size
+    if name == "default":
+        return default_controller(drafter) if block_size is None else SpeculationGuard(DraftController(width))
     if name == "adaptive":
         return AdaptiveVerify(width, policy=policy)
     if name == "fixed":

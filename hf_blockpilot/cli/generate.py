@@ -116,9 +116,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="drafting width (turns the policy off); with --controller fixed, every draft is verified")
-    p.add_argument("--controller", choices=CONTROLLERS, default="adaptive",
-                   help="adaptive: verify the drafts worth it each round (default); fixed: every draft; "
-                        "heuristic / ema / entropy: the baselines of `bench`")
+    p.add_argument("--controller", choices=CONTROLLERS, default="default",
+                   help="default: what generate() runs with no controller (the policy under its label controller, "
+                        "guarded never to lose to plain steps); adaptive: verify the drafts worth it each round; "
+                        "fixed: every draft; heuristic / ema / entropy: the baselines of `bench`")
     add_optional_policy_arg(p)
     p.add_argument("--compare", action="store_true",
                    help="also time plain generate the same way (warmed, unstreamed, --repeats runs each): speedup and "
