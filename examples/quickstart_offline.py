@@ -1,6 +1,6 @@
 """Offline quickstart on the embedded default: SmolLM2-135M-Instruct + its DFlash drafter, no Hub access.
 
-    python examples/quickstart_offline.py
+python examples/quickstart_offline.py
 """
 
 import torch
@@ -22,4 +22,7 @@ with hf_blockpilot.cpu_verify_kernels(target, drafter):  # fast few-token verify
 assert torch.equal(plain, fast), "greedy block-diffusion decoding must equal plain generate"
 print(tokenizer.decode(fast[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 stats = drafter.last_stats
-print(f"block size {stats.block_size}, tau {stats.tau:.2f}, {stats.target_forwards} target forwards for {stats.new_tokens} tokens")
+print(
+    f"block size {stats.block_size}, tau {stats.tau:.2f}, "
+    f"{stats.target_forwards} target forwards for {stats.new_tokens} tokens"
+)

@@ -1,6 +1,6 @@
 """Quickstart with a public z-lab DFlash drafter for Qwen3-4B (needs Hub access and, ideally, a GPU).
 
-    python examples/quickstart_zlab_qwen3.py [--policy <BlockPilot policy repo or dir>]
+python examples/quickstart_zlab_qwen3.py [--policy <BlockPilot policy repo or dir>]
 """
 
 import argparse

@@ -83,7 +83,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
         if self.do_sample and not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a finite number > 0 for sampling, got {generation_config.temperature}")
+            raise ValueError(
+                f"temperature must be a finite number > 0 for sampling, got {generation_config.temperature}"
+            )
         self.target_head = target.get_output_embeddings()
         self.logits_processor = logits_processor
         self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
@@ -263,7 +265,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.stats.drafter_forwards += 1
         # the head may sit on another device than the drafter (a target spread over devices)
         logits = skinny_linear(
-            hidden.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias, self.kernel_rows
+            hidden.to(self.head_weight.device, self.head_weight.dtype),
+            self.head_weight,
+            self.head_bias,
+            self.kernel_rows,
         )
         logits = self.drafter.finish_logits(logits.float())
         if self.drafter.d2t is None:
@@ -335,8 +340,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
     def _stops(self, ids: torch.LongTensor, first: int) -> torch.Tensor:
         """(1, n - first) bool: would generation stop right after `ids[:, i]`, for i >= first (EOS, or a stop
         string ending there)."""
-        stops = torch.isin(ids[:, first:], self.eos_token_ids.to(ids.device)) if self.eos_token_ids is not None else (
-            torch.zeros_like(ids[:, first:], dtype=torch.bool)
+        stops = (
+            torch.isin(ids[:, first:], self.eos_token_ids.to(ids.device))
+            if self.eos_token_ids is not None
+            else (torch.zeros_like(ids[:, first:], dtype=torch.bool))
         )
         if self.stop_strings is not None:
             for i, end in enumerate(range(first + 1, ids.shape[1] + 1)):
@@ -379,7 +386,8 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
     if not isinstance(drafter, BlockDiffusionDrafter):
         if draft_controller is not None:
             raise ValueError(
-                "draft_controller= steers block-diffusion drafting: pass it with assistant_model=<BlockDiffusionDrafter>"
+                "draft_controller= steers block-diffusion drafting: "
+                "pass it with assistant_model=<BlockDiffusionDrafter>"
             )
         return _stock_generate(self, *args, **kwargs)
     controller = prepare_controller(self, drafter, draft_controller)  # bad input fails before any forward
@@ -394,7 +402,9 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
             undo_kernels()
 
 
-def _validate_generation_mode(self: GenerationMixin, generation_mode: Any, generation_config: Any, kwargs: dict) -> None:
+def _validate_generation_mode(
+    self: GenerationMixin, generation_mode: Any, generation_config: Any, kwargs: dict
+) -> None:
     # Our compatibility check runs first, so a wrong drafter is named as such (stock Transformers would
     # otherwise talk about tokenizers when the vocabularies differ).
     drafter = kwargs.get("assistant_model")

@@ -104,9 +104,7 @@ class BlockDiffusionConfig(Qwen3Config):
                 self.num_target_layers, self.num_hidden_layers
             )
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
-            raise ValueError(
-                f"block_size must be an int >= 2 (one anchor slot plus drafts), got {self.block_size!r}"
-            )
+            raise ValueError(f"block_size must be an int >= 2 (one anchor slot plus drafts), got {self.block_size!r}")
         self._check_attention_fields()
         unknown = sorted(set(self.dflash_config) - set(_NESTED_FIELDS))
         if unknown:
@@ -164,7 +162,9 @@ class BlockDiffusionConfig(Qwen3Config):
         if sizes["selector_top_k"] > self.vocab_size:
             raise ValueError(f"selector_top_k={sizes['selector_top_k']} exceeds the vocabulary ({self.vocab_size})")
         if self.draft_vocab_size is not None:
-            raise ValueError("a DFlash 2 drafter selects among the full vocabulary's top candidates: drop draft_vocab_size")
+            raise ValueError(
+                "a DFlash 2 drafter selects among the full vocabulary's top candidates: drop draft_vocab_size"
+            )
 
     @property
     def is_dflash2(self) -> bool:
@@ -216,7 +216,11 @@ class BlockDiffusionConfig(Qwen3Config):
                 "that holds its config.json and weights"
             )
         elif "dflash_config" not in config_dict:
-            hint = " (it holds a BlockPilot policy: load it with BlockPilotPolicy.from_pretrained)" if "candidates" in config_dict else ""
+            hint = (
+                " (it holds a BlockPilot policy: load it with BlockPilotPolicy.from_pretrained)"
+                if "candidates" in config_dict
+                else ""
+            )
             raise ValueError(
                 f"{pretrained_model_name_or_path} is not a DFlash drafter checkpoint: its config has no "
                 f"`dflash_config`{hint}. Pass the drafter's repo id or directory."

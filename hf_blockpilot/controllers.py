@@ -249,16 +249,22 @@ class AcceptanceModel:
     def __post_init__(self) -> None:
         sizes = {len(self.bias), len(self.confidence_weight), len(self.entropy_weight)}
         if len(sizes) != 1 or not self.bias or not self.lookup_rate:
-            raise ValueError("an acceptance model needs bias, confidence_weight and entropy_weight of one length >= 1, "
-                             "and at least one lookup rate")
+            raise ValueError(
+                "an acceptance model needs bias, confidence_weight and entropy_weight of one length >= 1, "
+                "and at least one lookup rate"
+            )
 
     def _table(self, num_slots: int, device: torch.device) -> torch.Tensor:
         key = (num_slots, str(device))
         if key not in self._tables:
             index = [min(j, len(self.bias) - 1) for j in range(num_slots)]
             lookup_index = [min(j, len(self.lookup_rate) - 1) for j in range(num_slots)]
-            rows = [[self.bias[i] for i in index], [self.confidence_weight[i] for i in index],
-                    [self.entropy_weight[i] for i in index], [self.lookup_rate[i] for i in lookup_index]]
+            rows = [
+                [self.bias[i] for i in index],
+                [self.confidence_weight[i] for i in index],
+                [self.entropy_weight[i] for i in index],
+                [self.lookup_rate[i] for i in lookup_index],
+            ]
             self._tables[key] = torch.tensor(rows, dtype=torch.float32, device=device)
         return self._tables[key]
 

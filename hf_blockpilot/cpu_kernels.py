@@ -128,7 +128,9 @@ def grouped_query_attention(
         or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))
     )
     if stock:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     out = grouped_sdpa(query, key, value, attention_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

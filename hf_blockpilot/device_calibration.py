@@ -125,7 +125,9 @@ def fingerprint_key(fingerprint: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def sampling_processors(target: PreTrainedModel, input_ids: torch.LongTensor, temperature: float) -> LogitsProcessorList:
+def sampling_processors(
+    target: PreTrainedModel, input_ids: torch.LongTensor, temperature: float
+) -> LogitsProcessorList:
     """The logits processors `target.generate(input_ids, do_sample=True, temperature=...)` samples with: the
     target's generation defaults merged as `generate` merges them (top-k, top-p, ...).
 
@@ -213,9 +215,13 @@ class Calibration:
             kernels = f"{self.kernel_ms[n]:11.2f}" if n in self.kernel_ms else f"{'-':>11}"
             used = "kernels" if n in cost.kernel_rows else "stock"
             drafter = f"{cost.draft_ms(n):11.2f}" if n > 1 else f"{'-':>11}"
-            lines.append(f"{n:>4} {self.stock_ms[n]:9.2f} {kernels} {used:>8} {cost.verify_ms(n) / plain:12.2f} {drafter}")
-        lines.append(f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, "
-                     f"{cost.sampling_draw_ms:.2f} ms per draw")
+            lines.append(
+                f"{n:>4} {self.stock_ms[n]:9.2f} {kernels} {used:>8} {cost.verify_ms(n) / plain:12.2f} {drafter}"
+            )
+        lines.append(
+            f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, "
+            f"{cost.sampling_draw_ms:.2f} ms per draw"
+        )
         return "\n".join(lines)
 
 
@@ -243,8 +249,9 @@ def calibrate(
     stock_phase = {("stock", n): verify(n) for n in widths} | others
     calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
     name = describe_device(device)["name"]
-    with tqdm(total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False,
-              mininterval=1.0) as bar:
+    with tqdm(
+        total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False, mininterval=1.0
+    ) as bar:
         ms = interleaved_median_ms(stock_phase, repeats, device, bar)
         if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
             with cpu_verify_kernels(target):
@@ -384,9 +391,13 @@ def load_or_calibrate(
         except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError is a ValueError
             problem = f"is damaged ({type(err).__name__}: {err})"
         warnings.warn(f"hf-blockpilot: the calibration cached at {path} {problem}; re-measuring it", stacklevel=4)
-    logger.info("hf-blockpilot: calibrating %s on %s (%s), once; cached at %s",
-                fingerprint["dtype"], fingerprint["name"], "CPU verify kernels vs stock" if fingerprint["device"] == "cpu"
-                else fingerprint["device"], path)
+    logger.info(
+        "hf-blockpilot: calibrating %s on %s (%s), once; cached at %s",
+        fingerprint["dtype"],
+        fingerprint["name"],
+        "CPU verify kernels vs stock" if fingerprint["device"] == "cpu" else fingerprint["device"],
+        path,
+    )
     calibration = calibrate(target, drafter, widths)
     logger.info("hf-blockpilot: calibrated in %.1f s", calibration.seconds)
     save_calibration(calibration, path)

@@ -165,9 +165,7 @@ class BlockDiffusionAttention(nn.Module):
         if cache is None:
             key, value = torch.cat([key_ctx, key_blk], dim=-2), torch.cat([value_ctx, value_blk], dim=-2)
         else:
-            key, value = cache.update(
-                self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, keep=self.context_keep
-            )
+            key, value = cache.update(self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, keep=self.context_keep)
         if attention_mask is None:
             attention_mask = draft_attention_mask(
                 q_len, key.shape[-2], self.is_causal, self.sliding_window, hidden_states.device
@@ -216,14 +214,20 @@ class BlockDiffusionDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.is_dflash2:
-            sizes = (config.hidden_size, config.dflash2_size("conv_kernel_size"), config.dflash2_size("conv_group_size"))
+            sizes = (
+                config.hidden_size,
+                config.dflash2_size("conv_kernel_size"),
+                config.dflash2_size("conv_group_size"),
+            )
             self.attention_conv, self.mlp_conv = GroupedDynamicCausalConv(*sizes), GroupedDynamicCausalConv(*sizes)
         else:
             self.attention_conv = self.mlp_conv = None
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attn_kwargs) -> torch.Tensor:
         hidden_states = hidden_states + self._around(
-            self.attention_conv, lambda x: self.self_attn(x, context, **attn_kwargs), self.input_layernorm(hidden_states)
+            self.attention_conv,
+            lambda x: self.self_attn(x, context, **attn_kwargs),
+            self.input_layernorm(hidden_states),
         )
         return hidden_states + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_states))
 
@@ -352,7 +356,8 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         return self.config.target_layer_ids
 
     def set_policy(self, policy: Any) -> None:
-        """Attach a BlockPilot policy (object, Hub id or directory) choosing the block size per request; `None` detaches."""
+        """Attach a BlockPilot policy (object, Hub id or directory) choosing the block size per request; `None`
+        detaches."""
         if isinstance(policy, (str, os.PathLike)):
             from .policy import BlockPilotPolicy
 
@@ -374,8 +379,10 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         A reduced-vocabulary checkpoint must carry its `d2t` map, with ids inside the vocabulary."""
         wants_info = kwargs.pop("output_loading_info", False)
         # DFlash 2 checkpoints may store the selector's codebooks as bare tensors (the reference maps them too)
-        kwargs.setdefault("key_mapping", {r"^candidate_selector\.(predecessor|successor)_codebook$":
-                                          r"candidate_selector.\1_codebook.weight"})
+        kwargs.setdefault(
+            "key_mapping",
+            {r"^candidate_selector\.(predecessor|successor)_codebook$": r"candidate_selector.\1_codebook.weight"},
+        )
         drafter, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path", "the checkpoint")
         if drafter.d2t is not None and "d2t" in info.get("missing_keys", ()):
@@ -390,10 +397,14 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         if unknown or absent:
             raise ValueError(
                 f"{source} does not match its config: "
-                + "; ".join(part for part in (
-                    f"weights this drafter does not use {unknown[:6]}" if unknown else "",
-                    f"weights it needs but the checkpoint lacks {absent[:6]}" if absent else "",
-                ) if part)
+                + "; ".join(
+                    part
+                    for part in (
+                        f"weights this drafter does not use {unknown[:6]}" if unknown else "",
+                        f"weights it needs but the checkpoint lacks {absent[:6]}" if absent else "",
+                    )
+                    if part
+                )
                 + " (a DFlash 2 checkpoint declares architectures=['DFlash2DraftModel'] and its sizes in dflash_config)"
             )
         drafter._check_draft_vocabulary(str(source))
@@ -409,7 +420,8 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
         if bad.numel():
             raise ValueError(
-                f"{source}: d2t maps draft tokens to ids {bad[:5].tolist()}, outside the vocabulary 0..{self.config.vocab_size - 1}"
+                f"{source}: d2t maps draft tokens to ids {bad[:5].tolist()}, "
+                f"outside the vocabulary 0..{self.config.vocab_size - 1}"
                 ": the checkpoint's map is damaged or belongs to another vocabulary"
             )
         if ids.unique().numel() != ids.numel():
@@ -538,7 +550,8 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         mask_id = self.mask_token_id
         if mask_id is None or not 0 <= mask_id < num_embeddings:
             raise ValueError(
-                f"drafter mask_token_id={mask_id} is not a row of the target's embedding table (0..{num_embeddings - 1})."
+                f"drafter mask_token_id={mask_id} is not a row of the target's embedding table "
+                f"(0..{num_embeddings - 1})."
                 " Set `dflash_config.mask_token_id` to an id the target never produces."
             )
         if self.d2t is not None and int(self.d2t.max()) >= num_embeddings:

@@ -67,7 +67,9 @@ def checked_feature_layers(target: nn.Module, feature_layers: Sequence[int] | No
     return list(feature_layers)
 
 
-def prefill_features(outputs: Any, feature_layers: list[int], lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
+def prefill_features(
+    outputs: Any, feature_layers: list[int], lm_head: nn.Module, temperature: float = 0.0
+) -> torch.Tensor:
     """(1, D) features of one request from the target's prefill outputs (`output_hidden_states=True`).
 
     Per layer id i (`hidden_states[i + 1]`): the last prompt token's state and the prompt's mean state;
@@ -261,9 +263,7 @@ class BlockPilotPolicy(
         return self.net(torch.cat([self.input_norm(hidden), scalars], dim=-1)) + self.scalar_head(scalars)
 
     @torch.no_grad()
-    def choose_block_size(
-        self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0
-    ) -> tuple[int, dict]:
+    def choose_block_size(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> tuple[int, dict]:
         """The block size for this request and the policy's probability for each candidate.
 
         `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy.
@@ -296,7 +296,11 @@ class BlockPilotPolicy(
                 f"target's prefill ({'; '.join(problems)}). Train one for it with `hf-blockpilot train-policy`, or "
                 "detach it with drafter.set_policy(None)."
             )
-        if drafter is not None and self.drafter_fingerprint and drafter_fingerprint(drafter) != self.drafter_fingerprint:
+        if (
+            drafter is not None
+            and self.drafter_fingerprint
+            and drafter_fingerprint(drafter) != self.drafter_fingerprint
+        ):
             warnings.warn(
                 f"this BlockPilot policy was trained for drafter {self.drafter_name or self.drafter_fingerprint}, not "
                 "the attached one: its block-size choices may be poor (output stays lossless).",
@@ -307,7 +311,8 @@ class BlockPilotPolicy(
             warnings.warn(
                 f"this BlockPilot policy was trained on labels of decoding with prompt lookup "
                 f"{'on' if self.prompt_lookup else 'off'}, but drafter.prompt_lookup is {lookup}: lookup changes which "
-                f"block size is fastest. Train one on labels of `hf-blockpilot collect{' --prompt-lookup' if lookup else ''}` "
+                "block size is fastest. Train one on labels of "
+                f"`hf-blockpilot collect{' --prompt-lookup' if lookup else ''}` "
                 "(output stays lossless).",
                 stacklevel=3,
             )

@@ -50,8 +50,9 @@ def make_target(family: str = "llama", vocab_size: int = 97, hidden_size: int = 
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
     elif family == "gemma3":  # embeddings scaled by sqrt(hidden) inside the embedding module; softcapped logits
-        config = Gemma3TextConfig(head_dim=16, layer_types=["full_attention"] * layers, final_logit_softcapping=30.0,
-                                  **common)
+        config = Gemma3TextConfig(
+            head_dim=16, layer_types=["full_attention"] * layers, final_logit_softcapping=30.0, **common
+        )
         model = Gemma3ForCausalLM(config)
     else:
         raise ValueError(family)
@@ -68,16 +69,20 @@ def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0,
     return drafter
 
 
-def make_windowed_drafter(target, sliding_window: int, layer_types: list[str] | None = None,
-                          is_causal: bool | None = None, **kwargs) -> BlockDiffusionDrafter:
+def make_windowed_drafter(
+    target, sliding_window: int, layer_types: list[str] | None = None, is_causal: bool | None = None, **kwargs
+) -> BlockDiffusionDrafter:
     """`make_drafter(target, **kwargs)`'s drafter (same weights) with the newer z-lab drafters' attention:
     `layer_types` (default: all sliding) over a `sliding_window`, and a top-level `is_causal` if given."""
     from hf_blockpilot.configuration_block_diffusion import BlockDiffusionConfig
 
     base = make_drafter(target, **kwargs)
     config = base.config.to_dict()
-    config.update(use_sliding_window=True, sliding_window=sliding_window,
-                  layer_types=layer_types or ["sliding_attention"] * config["num_hidden_layers"])
+    config.update(
+        use_sliding_window=True,
+        sliding_window=sliding_window,
+        layer_types=layer_types or ["sliding_attention"] * config["num_hidden_layers"],
+    )
     if is_causal is not None:
         config["is_causal"] = is_causal
     drafter = BlockDiffusionDrafter(BlockDiffusionConfig.from_dict(config)).to(target.dtype).eval()
@@ -99,15 +104,18 @@ def init_dflash2(model: torch.nn.Module, seed: int, sharpen: float) -> None:
         model.norm.weight.mul_(sharpen)
 
 
-def make_dflash2_drafter(target, seed: int = 0, block_size: int = 4, sharpen: float = 8.0, **sizes) -> BlockDiffusionDrafter:
+def make_dflash2_drafter(
+    target, seed: int = 0, block_size: int = 4, sharpen: float = 8.0, **sizes
+) -> BlockDiffusionDrafter:
     """A random DFlash 2 drafter (convolutions + candidate selector) for `target`."""
     from hf_blockpilot.configuration_block_diffusion import BlockDiffusionConfig
 
     torch.manual_seed(seed)
     config = BlockDiffusionDrafter.from_target(target, block_size=block_size).config.to_dict()
     hidden = config["hidden_size"]
-    config["dflash_config"].update({"conv_kernel_size": 2, "conv_group_size": min(8, hidden), "selector_rank": 4,
-                                    "selector_top_k": 3, **sizes})
+    config["dflash_config"].update(
+        {"conv_kernel_size": 2, "conv_group_size": min(8, hidden), "selector_rank": 4, "selector_top_k": 3, **sizes}
+    )
     drafter = BlockDiffusionDrafter(BlockDiffusionConfig.from_dict(config)).to(target.dtype).eval()
     init_dflash2(drafter, seed, sharpen)
     return drafter
@@ -147,7 +155,12 @@ class ScriptedDrafter(BlockDiffusionDrafter):
     that the LM head has an exact right inverse."""
 
     def rig(
-        self, target, script: torch.Tensor, error_rate: float, seed: int = 0, by_position: bool = False,
+        self,
+        target,
+        script: torch.Tensor,
+        error_rate: float,
+        seed: int = 0,
+        by_position: bool = False,
         varied_confidence: bool = False,
     ) -> ScriptedDrafter:
         """`by_position`: whether a slot errs depends only on the (anchor, slot) position, not on the call order.

@@ -19,7 +19,10 @@ def test_grouped_sdpa_matches_sdpa_over_repeated_heads(kv_heads, groups, q_len, 
     gen = torch.Generator().manual_seed(kv_heads * 10 + groups + q_len)
     batch, keys, dim = 2, 11, 8
     query = torch.randn(batch, kv_heads * groups, q_len, dim, generator=gen)
-    key, value = torch.randn(batch, kv_heads, keys, dim, generator=gen), torch.randn(batch, kv_heads, keys, dim, generator=gen)
+    key, value = (
+        torch.randn(batch, kv_heads, keys, dim, generator=gen),
+        torch.randn(batch, kv_heads, keys, dim, generator=gen),
+    )
     mask = torch.rand(batch, 1, q_len, keys, generator=gen) > 0.3 if masked else None
     if mask is not None:
         mask[..., 0] = True  # every query sees at least one key
@@ -31,7 +34,9 @@ def test_grouped_sdpa_matches_sdpa_over_repeated_heads(kv_heads, groups, q_len, 
 
 def _block(hidden, start, size, seed):
     """Embeddings and positions of a block anchored at `start`."""
-    return torch.randn(1, size, hidden, generator=torch.Generator().manual_seed(seed)), torch.arange(start, start + size)[None]
+    return torch.randn(1, size, hidden, generator=torch.Generator().manual_seed(seed)), torch.arange(
+        start, start + size
+    )[None]
 
 
 def _cached_round_equals_uncached(drafter, context, cache, seen: int, new: int, seed: int) -> None:
@@ -69,8 +74,9 @@ def test_cached_rounds_equal_one_uncached_forward_and_reuse_storage():
     assert len(pointers) == 1  # rounds within capacity write in place (no copy of the context)
 
 
-@pytest.mark.parametrize(("layer_types", "is_causal"), [(["sliding_attention", "full_attention"], None),
-                                                        (["sliding_attention"] * 2, False)])
+@pytest.mark.parametrize(
+    ("layer_types", "is_causal"), [(["sliding_attention", "full_attention"], None), (["sliding_attention"] * 2, False)]
+)
 def test_sliding_window_layers_drop_the_context_out_of_reach(layer_types, is_causal):
     """A sliding-window layer's cache drops the context its window no longer reaches, also in rounds that only
     take in context (prompt lookup's): rounds still equal one uncached forward, its storage stays bounded."""

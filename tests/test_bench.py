@@ -12,14 +12,43 @@ from hf_blockpilot.cli import main
 def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     out = tmp_path / "bench"
-    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-                 "--datasets", "humaneval", "gsm8k", "--limit", "2", "--block-sizes", "2", "4",
-                 "--temperatures", "0", "1", "--max-new-tokens", "6", "--repeats", "2", "--output-dir", str(out)])
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--device",
+            "cpu",
+            "--datasets",
+            "humaneval",
+            "gsm8k",
+            "--limit",
+            "2",
+            "--block-sizes",
+            "2",
+            "4",
+            "--temperatures",
+            "0",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--repeats",
+            "2",
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"] and report["machine"]["cpu"]
     assert [(r["dataset"], r["temperature"]) for r in report["runs"]] == [
-        ("humaneval", 0.0), ("gsm8k", 0.0), ("humaneval", 1.0), ("gsm8k", 1.0)]
+        ("humaneval", 0.0),
+        ("gsm8k", 0.0),
+        ("humaneval", 1.0),
+        ("gsm8k", 1.0),
+    ]
     baselines = {"heuristic", "ema", "entropy", "adaptive"}  # the per-round controllers, beside the fixed sizes
     assert set(report["settings"]["controllers"]) == baselines
     for run in report["runs"]:
@@ -49,9 +78,33 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
 def test_bench_with_prompt_lookup_records_it(tmp_path):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     out = tmp_path / "bench"
-    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-                 "--datasets", "humaneval", "--limit", "2", "--block-sizes", "4", "--temperatures", "0",
-                 "--max-new-tokens", "8", "--repeats", "1", "--prompt-lookup", "--no-baselines", "--output-dir", str(out)])
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--device",
+            "cpu",
+            "--datasets",
+            "humaneval",
+            "--limit",
+            "2",
+            "--block-sizes",
+            "4",
+            "--temperatures",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--prompt-lookup",
+            "--no-baselines",
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["prompt_lookup"] is True
@@ -66,15 +119,41 @@ def test_bench_times_the_reference_loop_beside_ours(tmp_path, capsys):
     pytest.importorskip("dflash.model", reason="the reference package: pip install --no-deps dflash==0.1.0")
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     out = tmp_path / "bench"
-    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-                 "--datasets", "humaneval", "--limit", "2", "--block-sizes", "2", "4", "--temperatures", "0",
-                 "--max-new-tokens", "8", "--repeats", "1", "--no-baselines", "--prompt-lookup", "--reference",
-                 "--output-dir", str(out)])
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--device",
+            "cpu",
+            "--datasets",
+            "humaneval",
+            "--limit",
+            "2",
+            "--block-sizes",
+            "2",
+            "4",
+            "--temperatures",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--no-baselines",
+            "--prompt-lookup",
+            "--reference",
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     (run,) = report["reference"]
     assert {(r["block_size"], r["method"]) for r in run["summary"]} == {
-        (b, side) for b in (2, 4) for side in ("hf-blockpilot", "dflash-reference")}
+        (b, side) for b in (2, 4) for side in ("hf-blockpilot", "dflash-reference")
+    }
     assert len(run["results"]) == 2 * 2 * 2 and all(r["identical_to_plain"] for r in run["results"])
     assert "ours vs the reference loop" in (out / "results.md").read_text()
     assert "| 2 | dflash-reference |" in capsys.readouterr().out
@@ -85,9 +164,26 @@ def test_bench_reference_without_the_package_is_a_clear_error(tmp_path, monkeypa
 
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     monkeypatch.setitem(sys.modules, "dflash.model", None)  # as if not installed
-    code = main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-                 "--datasets", "humaneval", "--limit", "1", "--block-sizes", "2", "--reference",
-                 "--output-dir", str(tmp_path / "bench")])
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--device",
+            "cpu",
+            "--datasets",
+            "humaneval",
+            "--limit",
+            "1",
+            "--block-sizes",
+            "2",
+            "--reference",
+            "--output-dir",
+            str(tmp_path / "bench"),
+        ]
+    )
     assert code == 2 and "pip install --no-deps dflash==0.1.0" in capsys.readouterr().err
     assert not (tmp_path / "bench" / "results.json").exists()  # failed before decoding anything
 
@@ -98,9 +194,27 @@ def test_bench_cost_model_file_is_used_and_a_missing_one_fails_first(tmp_path, c
     from hf_blockpilot.costs import CostModel
 
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    common = ["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-              "--datasets", "humaneval", "--limit", "1", "--block-sizes", "2", "--temperatures", "0",
-              "--max-new-tokens", "4", "--repeats", "1"]
+    common = [
+        "bench",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--device",
+        "cpu",
+        "--datasets",
+        "humaneval",
+        "--limit",
+        "1",
+        "--block-sizes",
+        "2",
+        "--temperatures",
+        "0",
+        "--max-new-tokens",
+        "4",
+        "--repeats",
+        "1",
+    ]
     code = main(common + ["--cost-model", str(tmp_path / "absent.json"), "--output-dir", str(tmp_path / "none")])
     assert code == 2 and "hf-blockpilot measure-cost" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()  # failed before loading or decoding anything

@@ -42,17 +42,22 @@ def test_recorded_rounds_fit_an_acceptance_model_that_tracks_acceptance():
     first = [r for r in rows if r[0] == 0]
     predicted = model.per_slot(DraftedRound(1, torch.tensor([first[0][1]]), torch.tensor([first[0][2]])))
     assert 0.0 < float(predicted) < 1.0
-    mean_prediction = torch.stack([
-        model.per_slot(DraftedRound(1, torch.tensor([r[1]]), torch.tensor([r[2]])))[0] for r in first
-    ]).mean()
+    mean_prediction = torch.stack(
+        [model.per_slot(DraftedRound(1, torch.tensor([r[1]]), torch.tensor([r[2]])))[0] for r in first]
+    ).mean()
     assert mean_prediction == pytest.approx(sum(r[4] for r in first) / len(first), abs=0.05)  # calibrated in the mean
     with pytest.raises(ValueError, match="no calibration rows"):
         fit_acceptance_model([])
 
 
 def test_soft_labels_and_lookup_rows():
-    rows = [(0, 0.9, 0.1, 0, 0.8)] * 30 + [(0, 0.3, 2.0, 0, 0.1)] * 30 + [(0, 1.0, 0.0, 1, 1.0)] * 15 + \
-        [(0, 1.0, 0.0, 1, 0.0)] * 15 + [(1, 0.9, 0.1, 0, 0.7)] * 5
+    rows = (
+        [(0, 0.9, 0.1, 0, 0.8)] * 30
+        + [(0, 0.3, 2.0, 0, 0.1)] * 30
+        + [(0, 1.0, 0.0, 1, 1.0)] * 15
+        + [(0, 1.0, 0.0, 1, 0.0)] * 15
+        + [(1, 0.9, 0.1, 0, 0.7)] * 5
+    )
     model = fit_acceptance_model(rows, num_slots=3, min_rows=10)
     assert model.lookup_rate == [0.5]
     assert len(model.bias) == 1  # slots 1 and 2 had too few rows: they reuse slot 0's fit
@@ -62,10 +67,12 @@ def test_soft_labels_and_lookup_rows():
 
 def test_policy_carries_the_verify_model_through_save_and_strict_load(tmp_path):
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=0)
-    policy = BlockPilotPolicy(candidates=[2, 6], feature_layers=[1], target_hidden_size=HIDDEN,
-                              target_vocab_size=VOCAB, target_num_layers=4)
-    acceptance = AcceptanceModel(bias=[0.5, 0.1], confidence_weight=[1.0, 1.2], entropy_weight=[-0.3, -0.2],
-                                 lookup_rate=[0.7], rounds=40)
+    policy = BlockPilotPolicy(
+        candidates=[2, 6], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB, target_num_layers=4
+    )
+    acceptance = AcceptanceModel(
+        bias=[0.5, 0.1], confidence_weight=[1.0, 1.2], entropy_weight=[-0.3, -0.2], lookup_rate=[0.7], rounds=40
+    )
     cost = CostModel(target_ms={1: 30.0, 6: 60.0}, drafter_ms={6: 4.0}, device="cpu")
     policy.attach_verify_model(acceptance, cost)
     policy.save_pretrained(tmp_path / "p")
@@ -80,12 +87,19 @@ def test_policy_carries_the_verify_model_through_save_and_strict_load(tmp_path):
     assert controller.acceptance == acceptance and controller.cost_model is None
     assert "calibrated" in controller.describe()
     # a policy without one falls back to the entropy bound
-    bare = BlockPilotPolicy(candidates=[2, 6], feature_layers=[1], target_hidden_size=HIDDEN,
-                            target_vocab_size=VOCAB, target_num_layers=4)
+    bare = BlockPilotPolicy(
+        candidates=[2, 6], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB, target_num_layers=4
+    )
     assert "entropy bound" in AdaptiveVerify(policy=bare).describe()
     drafter = make_drafter(target, block_size=4)
-    out = target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                          assistant_model=drafter, draft_controller=controller)
+    out = target.generate(
+        torch.tensor([[3, 4, 5]]),
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        assistant_model=drafter,
+        draft_controller=controller,
+    )
     assert out.shape[1] == 11 and drafter.last_stats.block_size in (2, 6)
 
 
@@ -134,5 +148,11 @@ def test_a_policy_trained_on_composed_labels_serves_under_adaptive_verify_by_def
         assert torch.equal(out, expected)
         assert drafter.last_stats.controller.startswith(f"guarded({served_by}")
     with pytest.raises(ValueError, match="label_controller"):
-        BlockPilotPolicy(candidates=[2], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
-                         target_num_layers=4, label_controller="sometimes")
+        BlockPilotPolicy(
+            candidates=[2],
+            feature_layers=[1],
+            target_hidden_size=HIDDEN,
+            target_vocab_size=VOCAB,
+            target_num_layers=4,
+            label_controller="sometimes",
+        )

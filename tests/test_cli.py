@@ -34,8 +34,19 @@ def test_generate_command_on_the_real_default_target(tmp_path, capsys):
         pytest.skip(f"embedded default target unavailable: {err}")
     drafter_dir = tmp_path / "drafter"
     BlockDiffusionDrafter.from_target(target, block_size=4).save_pretrained(drafter_dir)
-    code = main(["generate", "Say hi.", "--drafter", str(drafter_dir), "--max-new-tokens", "12",
-                 "--compare", "--no-stream", "--json"])
+    code = main(
+        [
+            "generate",
+            "Say hi.",
+            "--drafter",
+            str(drafter_dir),
+            "--max-new-tokens",
+            "12",
+            "--compare",
+            "--no-stream",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0
     assert result["identical_to_plain"] is True
@@ -44,8 +55,23 @@ def test_generate_command_on_the_real_default_target(tmp_path, capsys):
 
 def test_generate_command_with_prompt_lookup(tmp_path, capsys):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    args = ["generate", "abcabcabcabc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-            "--max-new-tokens", "24", "--block-size", "4", "--compare", "--no-stream", "--json"]
+    args = [
+        "generate",
+        "abcabcabcabc",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "24",
+        "--block-size",
+        "4",
+        "--compare",
+        "--no-stream",
+        "--json",
+    ]
     assert main(args) == 0
     without = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "lookup_rounds" not in without
@@ -67,10 +93,18 @@ def test_train_drafter_recipe_end_to_end(tmp_path):
             response = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, 6:].tolist()
             f.write(json.dumps({"id": f"p{i}", "prompt_ids": prompt, "response_ids": response}) + "\n")
     assert len(read_sequences(data)) == 5
-    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=4, sequences_per_step=2, max_steps=6,
-                                warmup_steps=2, save_every=3, log_every=3, bf16=False)
+    cfg = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=4,
+        sequences_per_step=2,
+        max_steps=6,
+        warmup_steps=2,
+        save_every=3,
+        log_every=3,
+        bf16=False,
+    )
     drafter = train_drafter(target, None, tmp_path / "run", num_layers=1, draft_vocab_size=32, config=cfg)
-    distinct = {t for seq in read_sequences(data) for t in seq.input_ids[seq.response_start:]}
+    distinct = {t for seq in read_sequences(data) for t in seq.input_ids[seq.response_start :]}
     assert len(distinct) < 32  # fewer distinct response tokens than asked for: padded with the lowest free ids
     padding = [i for i in range(48) if i not in distinct][: 32 - len(distinct)]
     assert drafter.d2t.tolist() == sorted(distinct | set(padding))
@@ -101,14 +135,46 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
     training reads hidden states straight from the target (the GPU recipe), leaving no cache on disk."""
     target_dir, _ = save_tiny_pair(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"mine/{i}", "prompt": text}) + "\n"
-                               for i, text in enumerate(["abc", "hello", "Zebra"])))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"mine/{i}", "prompt": text}) + "\n" for i, text in enumerate(["abc", "hello", "Zebra"])
+        )
+    )
     run = tmp_path / "run"
-    code = main(["train-drafter", "--target", str(target_dir), "--output-dir", str(run), "--num-prompts", "0",
-                 "--chat-prompts", "0", "--prompts-file", str(prompts), "--max-new-tokens", "12",
-                 "--block-size", "4", "--draft-vocab-size", "0", "--max-steps", "4", "--warmup-steps", "1",
-                 "--anchors", "4", "--sequences-per-step", "3", "--validation-fraction", "0",
-                 "--no-hidden-cache", "--generation-batch-size", "2"])
+    code = main(
+        [
+            "train-drafter",
+            "--target",
+            str(target_dir),
+            "--output-dir",
+            str(run),
+            "--num-prompts",
+            "0",
+            "--chat-prompts",
+            "0",
+            "--prompts-file",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--block-size",
+            "4",
+            "--draft-vocab-size",
+            "0",
+            "--max-steps",
+            "4",
+            "--warmup-steps",
+            "1",
+            "--anchors",
+            "4",
+            "--sequences-per-step",
+            "3",
+            "--validation-fraction",
+            "0",
+            "--no-hidden-cache",
+            "--generation-batch-size",
+            "2",
+        ]
+    )
     assert code == 0
     assert [seq.id for seq in read_sequences(run / "data")] == ["mine/0", "mine/1", "mine/2"]
     assert (run / "checkpoint" / "model.safetensors").exists() and not (run / "hidden").exists()
@@ -116,9 +182,13 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--temperature", "-1", "must be >= 0"), ("--max-new-tokens", "0", "must be a positive integer"),
-     ("--device", "gpu", "not a torch device: 'gpu'"), ("--block-size", "1", "block size must be an int in 2..256"),
-     ("--block-size", "10000", "block size must be an int in 2..256")],
+    [
+        ("--temperature", "-1", "must be >= 0"),
+        ("--max-new-tokens", "0", "must be a positive integer"),
+        ("--device", "gpu", "not a torch device: 'gpu'"),
+        ("--block-size", "1", "block size must be an int in 2..256"),
+        ("--block-size", "10000", "block size must be an int in 2..256"),
+    ],
 )
 def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -146,7 +216,10 @@ def test_a_missing_drafter_directory_fails_before_any_model_loads(tmp_path, caps
 
 def test_block_size_lists_are_sorted_and_distinct():
     assert build_parser().parse_args(["bench", "--block-sizes", "8", "4", "8"]).block_sizes == [4, 8]
-    assert build_parser().parse_args(["collect", "--output-dir", "x", "--candidates", "4", "1", "4"]).candidates == [1, 4]
+    assert build_parser().parse_args(["collect", "--output-dir", "x", "--candidates", "4", "1", "4"]).candidates == [
+        1,
+        4,
+    ]
 
 
 def test_train_policy_without_labels_says_to_collect_them(tmp_path, capsys, monkeypatch):
@@ -165,7 +238,9 @@ def test_env_reports_versions_and_the_embedded_assets(tmp_path, capsys, monkeypa
     report = json.loads(capsys.readouterr().out)
     assert report["hf-blockpilot"] == hf_blockpilot.__version__ and report["torch"] == torch.__version__
     assert report["embedded drafter"] == report["embedded policy"] == "present"
-    assert report["default target"] == f"not converted yet (first use converts it): {tmp_path / 'SmolLM2-135M-Instruct'}"
+    assert (
+        report["default target"] == f"not converted yet (first use converts it): {tmp_path / 'SmolLM2-135M-Instruct'}"
+    )
     assert main(["env"]) == 0
     assert f"- transformers: {report['transformers']}" in capsys.readouterr().out.splitlines()
 
@@ -174,7 +249,9 @@ def test_env_reports_versions_and_the_embedded_assets(tmp_path, capsys, monkeypa
 def test_asking_for_cuda_without_it_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--device", "cuda"])
-    assert "argument --device: cuda: this torch build or machine has no CUDA; use --device cpu" in capsys.readouterr().err
+    assert (
+        "argument --device: cuda: this torch build or machine has no CUDA; use --device cpu" in capsys.readouterr().err
+    )
 
 
 def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
@@ -183,10 +260,24 @@ def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     from hf_blockpilot import BlockPilotPolicy
 
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    BlockPilotPolicy(candidates=[2, 4], feature_layers=[1], target_hidden_size=64, target_vocab_size=48,
-                     target_num_layers=4).save_pretrained(tmp_path / "policy")
-    args = ["generate", "abcabc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-            "--max-new-tokens", "8", "--policy", str(tmp_path / "policy"), "--no-stream"]
+    BlockPilotPolicy(
+        candidates=[2, 4], feature_layers=[1], target_hidden_size=64, target_vocab_size=48, target_num_layers=4
+    ).save_pretrained(tmp_path / "policy")
+    args = [
+        "generate",
+        "abcabc",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "8",
+        "--policy",
+        str(tmp_path / "policy"),
+        "--no-stream",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "Loading weights" not in out
@@ -198,7 +289,8 @@ def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     assert "Loading weights" not in captured.out and "controller: adaptive" in captured.err
     record = json.loads(captured.out.strip().splitlines()[-1])
     assert len(record["verified_and_accepted_per_round"]) == record["new_tokens"] - sum(
-        a for _, a in record["verified_and_accepted_per_round"])
+        a for _, a in record["verified_and_accepted_per_round"]
+    )
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncated"])
@@ -206,8 +298,21 @@ def test_a_damaged_weights_file_is_a_one_line_error(tmp_path, capsys, damage):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     weights = drafter_dir / "model.safetensors"
     weights.write_bytes(b"" if damage == "empty" else weights.read_bytes()[:200])
-    code = main(["generate", "abc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-                 "--max-new-tokens", "4", "--no-stream"])
+    code = main(
+        [
+            "generate",
+            "abc",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "4",
+            "--no-stream",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "could not load the drafter" in err and "weights file is damaged" in err
     assert "Traceback" not in err
@@ -215,9 +320,11 @@ def test_a_damaged_weights_file_is_a_one_line_error(tmp_path, capsys, damage):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["generate", "caf\udce9"], "the prompt is not valid UTF-8 text"),
-     (["generate", "hi", "--temperature", "inf"], "must be a finite number"),
-     (["generate", "hi", "--temperature", "nan"], "must be a finite number")],
+    [
+        (["generate", "caf\udce9"], "the prompt is not valid UTF-8 text"),
+        (["generate", "hi", "--temperature", "inf"], "must be a finite number"),
+        (["generate", "hi", "--temperature", "nan"], "must be a finite number"),
+    ],
 )
 def test_undecodable_prompts_and_infinite_temperatures_are_usage_errors(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -230,8 +337,25 @@ def test_every_controller_choice_generates_without_a_policy(tmp_path, capsys, co
     """`--controller fixed` on a pair without a policy built its controller from a name only imported for type
     checkers (a NameError); every choice now runs and says which controller decided."""
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    code = main(["generate", "abcabc", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-                 "--max-new-tokens", "6", "--no-stream", "--controller", controller, "--block-size", "3"])
+    code = main(
+        [
+            "generate",
+            "abcabc",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "6",
+            "--no-stream",
+            "--controller",
+            controller,
+            "--block-size",
+            "3",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert f"controller: {controller}(" in out

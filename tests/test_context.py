@@ -32,9 +32,7 @@ def _record(drafter):
 
 
 def _generate(target, prompt, **kwargs):
-    return target.generate(
-        prompt, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0, **kwargs
-    )
+    return target.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0, **kwargs)
 
 
 @pytest.mark.parametrize("kind", ["random", "scripted"])

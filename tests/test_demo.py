@@ -31,7 +31,7 @@ def test_compare_stream_shows_every_round_and_matching_text():
     drafter = ScriptedDrafter.from_target(target, block_size=4).eval().rig(target, plain, error_rate=0.2)
     updates = list(compare_stream(target, tokenizer, drafter, "abcdef", 24))
     plain_text, blocks, stats_md, _ = updates[-1]
-    assert plain_text == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+    assert plain_text == tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
     stats = drafter.last_stats
     assert blocks.count('class="round ') == stats.target_forwards  # one span per verify round
     assert f"**block size** {stats.block_size}" in stats_md and "speedup" in stats_md
@@ -91,8 +91,16 @@ def test_demo_in_a_real_browser(tmp_path):
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(
                 executable_path=CHROMIUM,
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+                args=[
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-quic",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                ],
             )
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{port}/", wait_until="networkidle")
@@ -101,7 +109,7 @@ def test_demo_in_a_real_browser(tmp_path):
             page.wait_for_selector("#stats :text('speedup')", timeout=60_000)
             assert page.locator("#blockpilot-output .round").count() == drafter.last_stats.target_forwards
             assert page.locator("#blockpilot-output .bonus").count() >= 1
-            expected = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+            expected = tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
             assert page.locator("#plain-output textarea").input_value() == expected
             stats = page.locator("#stats").inner_text()
             assert "block size" in stats and "τ" in stats

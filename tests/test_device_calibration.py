@@ -64,8 +64,10 @@ def test_calibrate_times_every_width_both_kernel_variants_and_sampling():
 @pytest.mark.parametrize("kernel_factor, expected_rows", [(1.5, []), (0.99, []), (0.5, [2, 4])])
 def test_kernels_serve_only_row_counts_where_they_measured_faster(monkeypatch, kernel_factor, expected_rows):
     def injected(fns, repeats, device, progress=None):
-        return {key: (kernel_factor * 10.0 if key[0] == "kernels" else 10.0) if isinstance(key, tuple) else 1.0
-                for key in fns}
+        return {
+            key: (kernel_factor * 10.0 if key[0] == "kernels" else 10.0) if isinstance(key, tuple) else 1.0
+            for key in fns
+        }
 
     monkeypatch.setattr(device_calibration, "interleaved_median_ms", injected)
     target, drafter = pair()
@@ -129,7 +131,9 @@ def test_opting_out_or_passing_costs_skips_calibration(calibrating, monkeypatch)
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     greedy_generate(target, prompt, 6, None, assistant_model=drafter)
     assert drafter.last_stats.cost_model_source.startswith("shipped fallback")
-    greedy_generate(target, prompt, 6, None, assistant_model=drafter, draft_controller=AdaptiveVerify(4, cost_model=given))
+    greedy_generate(
+        target, prompt, 6, None, assistant_model=drafter, draft_controller=AdaptiveVerify(4, cost_model=given)
+    )
     assert drafter.last_stats.cost_model_source == "mine" and calibrating == []
 
 
@@ -137,8 +141,11 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
     target, drafter = pair()
     switched = []
     real = candidate_generator.use_cpu_verify_kernels
-    monkeypatch.setattr(candidate_generator, "use_cpu_verify_kernels",
-                        lambda *models, rows: switched.append(sorted(rows)) or real(*models, rows=rows))
+    monkeypatch.setattr(
+        candidate_generator,
+        "use_cpu_verify_kernels",
+        lambda *models, rows: switched.append(sorted(rows)) or real(*models, rows=rows),
+    )
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     plain = greedy_generate(target, prompt, 12, None)
     out = greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
@@ -150,7 +157,8 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
         cost = CostModel(target_ms={1: 1.0, 4: 1.0}, drafter_ms={4: 0.1}, kernel_rows=rows)
         controller = AdaptiveVerify(4, cost_model=cost)
         switched.clear()
-        assert torch.equal(greedy_generate(target, prompt, 12, None, assistant_model=drafter,
-                                           draft_controller=controller), plain)
+        assert torch.equal(
+            greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=controller), plain
+        )
         assert switched == ([rows] if rows else [])
     assert target.config._attn_implementation == "sdpa"  # switched back after the call

@@ -70,12 +70,21 @@ def test_dflash2_hidden_states_and_selection_equal_the_reference(tmp_path, famil
         for start, stop in ((0, 9), (9, 13)):  # a fresh context, then one more round on the cached one
             block = _block(ours, int(ids[0, stop]), 4)
             positions = torch.arange(start, stop + 4)[None]
-            expected = ref(target_hidden=context[:, start:stop], noise_embedding=embed(block),
-                           position_ids=positions, past_key_values=ref_cache, use_cache=True)[:, -3:]
+            expected = ref(
+                target_hidden=context[:, start:stop],
+                noise_embedding=embed(block),
+                position_ids=positions,
+                past_key_values=ref_cache,
+                use_cache=True,
+            )[:, -3:]
             reference._crop_to(ref_cache, stop)
-            got = ours(block_embeds=embed(block), block_position_ids=positions[:, -4:],
-                       target_hidden=context[:, start:stop], context_position_ids=positions[:, :-4],
-                       cache=our_cache).last_hidden_state[:, 1:]
+            got = ours(
+                block_embeds=embed(block),
+                block_position_ids=positions[:, -4:],
+                target_hidden=context[:, start:stop],
+                context_position_ids=positions[:, :-4],
+                cache=our_cache,
+            ).last_hidden_state[:, 1:]
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
             logits = ours.finish_logits(head(got))
             score = ours.candidate_selector.scorer(got, logits)
@@ -104,12 +113,20 @@ def test_dflash2_rounds_equal_the_reference_loop(tmp_path, monkeypatch):
         target = targets[rng.choice(sorted(targets))]
         block_size = rng.choice([2, 3, 4, 6, 8])
         directory = tmp_path / f"d{case}"
-        reference_dflash2(target, directory, num_layers=rng.choice([1, 2]), block_size=block_size,
-                          layer_ids=rng.choice([(1,), (0, 2), (1, 2, 3)]), seed=case, sharpen=rng.choice([4.0, 8.0]),
-                          # the reference fails on blocks shorter than kernel_size - 1 (its shift loses the padding),
-                          # which its own last rounds produce for kernels > 3: ours pads them with zeros
-                          conv_kernel_size=rng.choice([2, 3]), conv_group_size=rng.choice([8, 16, 32]),
-                          selector_top_k=rng.choice([2, 5, 12]))
+        reference_dflash2(
+            target,
+            directory,
+            num_layers=rng.choice([1, 2]),
+            block_size=block_size,
+            layer_ids=rng.choice([(1,), (0, 2), (1, 2, 3)]),
+            seed=case,
+            sharpen=rng.choice([4.0, 8.0]),
+            # the reference fails on blocks shorter than kernel_size - 1 (its shift loses the padding),
+            # which its own last rounds produce for kernels > 3: ours pads them with zeros
+            conv_kernel_size=rng.choice([2, 3]),
+            conv_group_size=rng.choice([8, 16, 32]),
+            selector_top_k=rng.choice([2, 5, 12]),
+        )
         ref = reference.DFlash2DraftModel.from_pretrained(directory, dtype=torch.float64).eval()
         ours = BlockDiffusionDrafter.from_pretrained(directory, dtype=torch.float64).eval()
         counts = assert_rounds_equal_the_reference(ref, ours, target, rng, case)
@@ -138,7 +155,9 @@ def test_dflash2_saves_in_the_layout_the_reference_loads(tmp_path):
         weights[f"candidate_selector.{name}"] = weights.pop(f"candidate_selector.{name}.weight")
     save_file(weights, tmp_path / "ours" / "model.safetensors", metadata={"format": "pt"})
     bare = BlockDiffusionDrafter.from_pretrained(tmp_path / "ours")
-    assert torch.equal(bare.candidate_selector.successor_codebook.weight, ours.candidate_selector.successor_codebook.weight)
+    assert torch.equal(
+        bare.candidate_selector.successor_codebook.weight, ours.candidate_selector.successor_codebook.weight
+    )
 
 
 @pytest.mark.parametrize(
@@ -224,7 +243,9 @@ def test_dflash2_sampling_matches_the_exact_distribution(sampling_target, built_
     assert isinstance(built_generators[-1], candidate_generator_module.BlockDiffusionCandidateGenerator)
     assert 0.1 * 5000 < accepted < drafted
     stat, df = chi_square(counts, exact_joint(sampling_target, PROMPT, **CONFIGS[config]))
-    print(f"dflash2 {config}: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
+    print(
+        f"dflash2 {config}: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}"
+    )
     assert df >= 10 and stat < chi2_critical(df)
 
 

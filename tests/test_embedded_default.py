@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from hf_blockpilot.data import chat_inputs
 from hf_blockpilot.tools.loading import (
     DEFAULT_DRAFTER_DIR,
     DEFAULT_LOOKUP_POLICY_DIR,
@@ -14,7 +15,6 @@ from hf_blockpilot.tools.loading import (
     resolve_drafter,
     resolve_policy,
 )
-from hf_blockpilot.data import chat_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +56,9 @@ def test_default_drafter_is_lossless_and_drafts_usefully(default_pair):
     drafter.block_size = 8
     ids = chat_inputs(tokenizer, "Write a Python function that reverses a list.", target.device)
     plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
-    fast = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
-                           assistant_model=drafter)
+    fast = target.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, assistant_model=drafter
+    )
     assert torch.equal(plain, fast)
     assert drafter.last_stats.tau > 1.2  # a trained drafter, not noise
 
@@ -107,8 +108,21 @@ def test_generate_with_prompt_lookup_uses_the_lookup_policy(default_pair, capsys
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*prompt lookup.*")  # a policy for the other setting would warn
-        assert main(["generate", "Name a color.", "--max-new-tokens", "16", "--compare", "--no-stream", "--json",
-                     "--prompt-lookup"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "Name a color.",
+                    "--max-new-tokens",
+                    "16",
+                    "--compare",
+                    "--no-stream",
+                    "--json",
+                    "--prompt-lookup",
+                ]
+            )
+            == 0
+        )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["identical_to_plain"] is True and "lookup_rounds" in result
     assert result["block_size"] in resolve_policy("default", prompt_lookup=True).candidates

@@ -162,7 +162,9 @@ def test_beam_search_with_a_drafter_warns_that_the_drafter_is_unused(target):
     """Transformers runs beam search and ignores any assistant when num_beams > 1; say so instead of silently."""
     drafter = make_drafter(target)
     with pytest.warns(UserWarning, match=r"generation mode is beam_search .* does not use the drafter"):
-        out = target.generate(_prompt(), assistant_model=drafter, num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = target.generate(
+            _prompt(), assistant_model=drafter, num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
     assert torch.equal(out, target.generate(_prompt(), num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert drafter.last_stats is None
 
@@ -178,8 +180,9 @@ def test_rounds_never_draft_past_the_tokens_still_allowed(target):
         assert torch.equal(out, expected)
         stats = drafter.last_stats
         committed = 1  # the prefill's token
-        for width, drafted, accepted in zip(stats.widths_per_round[1:], stats.drafted_per_round[1:],
-                                            stats.accepted_per_round[1:]):
+        for width, drafted, accepted in zip(
+            stats.widths_per_round[1:], stats.drafted_per_round[1:], stats.accepted_per_round[1:]
+        ):
             room = max_new - committed  # tokens still allowed
             assert width - 1 <= room and drafted <= room - 1, (max_new, stats.widths_per_round)
             committed += accepted + 1
@@ -208,8 +211,14 @@ def test_a_pre_cached_prompt_is_an_error(target, name):
 @pytest.mark.parametrize("temperature", [float("inf"), float("nan")])
 def test_sampling_temperature_must_be_finite(target, temperature):
     with pytest.raises(ValueError, match="temperature"):  # NaN: Transformers' own check may answer first
-        target.generate(_prompt(), do_sample=True, temperature=temperature, max_new_tokens=4, pad_token_id=0,
-                        assistant_model=make_drafter(target))
+        target.generate(
+            _prompt(),
+            do_sample=True,
+            temperature=temperature,
+            max_new_tokens=4,
+            pad_token_id=0,
+            assistant_model=make_drafter(target),
+        )
 
 
 def test_a_drafter_with_nan_weights_fails_sampling_with_a_clear_error(target):

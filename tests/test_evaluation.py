@@ -74,8 +74,9 @@ def _toy_decoding_setup():
 def test_decode_methods_warms_up_the_policy_path_before_timing():
     target, tokenizer, prompts, drafter = _toy_decoding_setup()
     policy = _SlowFirstCallPolicy()
-    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(4,), policy=policy,
-                             max_new_tokens=6, repeats=1)
+    results = decode_methods(
+        target, tokenizer, drafter, prompts, block_sizes=(4,), policy=policy, max_new_tokens=6, repeats=1
+    )
 
     timed = [r for r in results if r.method == "policy"]
     assert policy.calls == 2  # warm-up + the timed run
@@ -97,8 +98,16 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
         return real(target, input_ids, drafter, **kwargs)
 
     monkeypatch.setattr(evaluation, "timed_generate", spy)
-    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(2, 4), policy=_SlowFirstCallPolicy(),
-                             max_new_tokens=6, repeats=3)
+    results = decode_methods(
+        target,
+        tokenizer,
+        drafter,
+        prompts,
+        block_sizes=(2, 4),
+        policy=_SlowFirstCallPolicy(),
+        max_new_tokens=6,
+        repeats=3,
+    )
     # round-robin, not all repeats of one method in a row; `default` is what generate runs with no controller
     assert order == ["plain", "fixed(b=2)", "fixed(b=4)", "policy", "guarded(fixed(b=4))"] * 3
     assert [r.method for r in results] == ["plain", "b=2", "b=4", "policy", "default"]
@@ -123,8 +132,16 @@ def test_decode_methods_times_every_method_on_the_cost_model_too(monkeypatch):
         return real(prompt_id, method, out, prompt_tokens, seconds, stats_, *args, **kwargs)
 
     monkeypatch.setattr(evaluation, "method_result", keep_stats)
-    results = decode_methods(target, tokenizer, drafter, prompts, block_sizes=(2, 4), max_new_tokens=6,
-                             controllers={"adaptive": AdaptiveVerify(4, cost_model=cost)}, cost_model=cost)
+    results = decode_methods(
+        target,
+        tokenizer,
+        drafter,
+        prompts,
+        block_sizes=(2, 4),
+        max_new_tokens=6,
+        controllers={"adaptive": AdaptiveVerify(4, cost_model=cost)},
+        cost_model=cost,
+    )
     for r in results:
         s = stats[r.prompt_id, r.method]
         if r.method == "plain":
@@ -141,15 +158,22 @@ def test_decode_methods_times_every_method_on_the_cost_model_too(monkeypatch):
     def speedup(rows, clock):
         plain = [r for r in results if r.method == "plain"]
         return (sum(r.new_tokens for r in rows) / sum(getattr(r, clock) for r in rows)) / (
-            sum(r.new_tokens for r in plain) / sum(r.modeled_seconds for r in plain))
+            sum(r.new_tokens for r in plain) / sum(r.modeled_seconds for r in plain)
+        )
 
     for method in ("b=2", "b=4", "adaptive"):
         rows = [r for r in results if r.method == method]
         assert summary[method]["modeled_speedup"] == pytest.approx(speedup(rows, "modeled_seconds"))
     assert summary["b=4"]["round_oracle_speedup"] == pytest.approx(
-        speedup([r for r in results if r.method == "b=4"], "round_oracle_seconds"))
+        speedup([r for r in results if r.method == "b=4"], "round_oracle_seconds")
+    )
     assert "round_oracle_speedup" not in summary["adaptive"]
-    best = [min((r for r in results if r.prompt_id == p and (r.method == "plain" or r.method.startswith("b="))),
-                key=lambda r: r.modeled_seconds) for p in ("p0", "p1")]
+    best = [
+        min(
+            (r for r in results if r.prompt_id == p and (r.method == "plain" or r.method.startswith("b="))),
+            key=lambda r: r.modeled_seconds,
+        )
+        for p in ("p0", "p1")
+    ]
     assert summary["oracle"]["modeled_speedup"] == pytest.approx(speedup(best, "modeled_seconds"))
     assert summary["plain"]["modeled_speedup"] == 1.0

@@ -25,8 +25,16 @@ def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
 
 def test_zlab_quickstart_runs_on_a_local_pair(tmp_path):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    result = _run([sys.executable, str(EXAMPLES / "quickstart_zlab_qwen3.py"), "--target", str(target_dir),
-                   "--drafter", str(drafter_dir)])
+    result = _run(
+        [
+            sys.executable,
+            str(EXAMPLES / "quickstart_zlab_qwen3.py"),
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+        ]
+    )
     assert "'tau':" in result.stdout.splitlines()[-1]
 
 
@@ -34,9 +42,13 @@ def test_policy_end_to_end_script_on_a_tiny_pair(tmp_path):
     """collect -> train-policy -> evaluate-policy with the script's defaults, sized down by its variables."""
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     out = tmp_path / "run"
-    _run(["bash", str(EXAMPLES / "policy_end_to_end.sh"), str(out)],
-         MODEL_ARGS=f"--target {target_dir} --drafter {drafter_dir} --device cpu",
-         NUM_PROMPTS="3", LIMIT="1", CANDIDATES="1 2 4")
+    _run(
+        ["bash", str(EXAMPLES / "policy_end_to_end.sh"), str(out)],
+        MODEL_ARGS=f"--target {target_dir} --drafter {drafter_dir} --device cpu",
+        NUM_PROMPTS="3",
+        LIMIT="1",
+        CANDIDATES="1 2 4",
+    )
     manifest = json.loads((out / "labels" / "manifest.json").read_text())
     assert manifest["candidates"] == [1, 2, 4] and manifest["feature_layers"] == [1, 2]  # 4-layer target
     assert (out / "policy" / "config.json").exists() and (out / "policy" / "README.md").exists()

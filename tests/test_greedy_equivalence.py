@@ -43,7 +43,9 @@ def test_greedy_identical_over_randomized_cases():
             drafter.rig(target, expected, error_rate=rng.choice([0.0, 0.05, 0.2, 0.5]), seed=case)
 
         got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter)
-        msg = f"case {case}: {family} prompt={prompt_len} b={block_size} max_new={max_new} eos={eos} scripted={scripted}"
+        msg = (
+            f"case {case}: {family} prompt={prompt_len} b={block_size} max_new={max_new} eos={eos} scripted={scripted}"
+        )
         assert torch.equal(got, expected), msg
 
         stats = drafter.last_stats
@@ -87,7 +89,9 @@ def test_block_size_setter_and_other_sizes(family):
         drafter.block_size = block_size
         assert torch.equal(greedy_generate(target, prompt, 20, None, assistant_model=drafter), expected)
         assert drafter.last_stats.block_size == block_size
-        assert max(drafter.last_stats.drafted_per_round) == min(block_size - 1, 20 - 2)  # prefill commits 1, one slot stays for the bonus
+        assert max(drafter.last_stats.drafted_per_round) == min(
+            block_size - 1, 20 - 2
+        )  # prefill commits 1, one slot stays for the bonus
 
 
 def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_controller(built_generators):
@@ -97,8 +101,9 @@ def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_contro
     from test_policy import make_policy
 
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=1)
-    drafter = make_windowed_drafter(target, 3, ["sliding_attention", "full_attention"], num_hidden_layers=2,
-                                    block_size=6, scale=6.0)
+    drafter = make_windowed_drafter(
+        target, 3, ["sliding_attention", "full_attention"], num_hidden_layers=2, block_size=6, scale=6.0
+    )
     cost = CostModel(target_ms={1: 10.0, 16: 14.0}, drafter_ms={16: 1.0})
     drafted = lookups = 0
     for seed in range(3):
@@ -107,12 +112,14 @@ def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_contro
         for control in ("block size", "policy", "controller"):
             for lookup in (False, True):
                 drafter.prompt_lookup = lookup
-                drafter.set_policy(make_policy(target, drafter, (3, 6), prompt_lookup=lookup) if control == "policy"
-                                   else None)
+                drafter.set_policy(
+                    make_policy(target, drafter, (3, 6), prompt_lookup=lookup) if control == "policy" else None
+                )
                 controller = AdaptiveVerify(6, cost_model=cost) if control == "controller" else None
                 with hf_blockpilot.cpu_verify_kernels(target, drafter):
-                    got = greedy_generate(target, prompt, 90, None, assistant_model=drafter,
-                                          draft_controller=controller)
+                    got = greedy_generate(
+                        target, prompt, 90, None, assistant_model=drafter, draft_controller=controller
+                    )
                 assert torch.equal(got, expected), (seed, control, lookup)
                 cache = built_generators[-1].cache
                 assert cache._dropped[0] > 0 and cache._dropped[1] == 0  # only the sliding layer drops

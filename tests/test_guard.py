@@ -67,7 +67,9 @@ def test_drafting_that_pays_never_pauses():
     plain = greedy_generate(target, prompt, 40, None)
     torch.manual_seed(3)
     drafter = ScriptedDrafter.from_target(target, block_size=6).eval().rig(target, plain[0], error_rate=0.0)
-    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guarded(FLAT, probe_rounds=2))
+    out = greedy_generate(
+        target, prompt, 40, None, assistant_model=drafter, draft_controller=guarded(FLAT, probe_rounds=2)
+    )
     assert torch.equal(out, plain)
     assert drafter.last_stats.plain_rounds == 0 and drafter.last_stats.tau > 3
 
@@ -91,8 +93,13 @@ def test_drafting_resumed_after_a_pause_sees_the_whole_context(built_generators)
         start = cache.get_seq_length()
         context_positions = torch.arange(start, start + new.shape[1])[None]
         with torch.no_grad():
-            return drafter(block_embeds=block, block_position_ids=positions, target_hidden=new,
-                           context_position_ids=context_positions, cache=cache).last_hidden_state
+            return drafter(
+                block_embeds=block,
+                block_position_ids=positions,
+                target_hidden=new,
+                context_position_ids=context_positions,
+                cache=cache,
+            ).last_hidden_state
 
     pending = torch.cat(generator.pending_context, dim=1) if generator.pending_context else hidden[:, :0]
     resumed = draft(generator.cache, pending)

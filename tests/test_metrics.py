@@ -22,8 +22,13 @@ def test_speculative_decoding_metric_on_real_outputs(monkeypatch):
         predictions.append(fast[0, 6:].tolist())
         references.append(plain[0, 6:].tolist())
         forwards.append(drafter.last_stats.target_forwards)
-    result = metric.compute(predictions=predictions, references=references, target_forwards=forwards,
-                            seconds=[1.0, 1.0, 1.0], reference_seconds=[2.0, 2.0, 2.0])
+    result = metric.compute(
+        predictions=predictions,
+        references=references,
+        target_forwards=forwards,
+        seconds=[1.0, 1.0, 1.0],
+        reference_seconds=[2.0, 2.0, 2.0],
+    )
     assert result["exact_match"] == 1.0
     assert result["tau"] == pytest.approx(48 / sum(forwards)) and result["tau"] > 1.0
     assert result["speedup"] == pytest.approx(2.0)

@@ -13,8 +13,15 @@ VOCAB, HIDDEN = 48, 64
 
 
 def _real(target, drafter, prompt, max_new, eos):
-    out = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0,
-                          assistant_model=drafter, draft_controller=drafter.block_size)  # every draft verified
+    out = target.generate(
+        prompt,
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        assistant_model=drafter,
+        draft_controller=drafter.block_size,
+    )  # every draft verified
     return out, drafter.last_stats
 
 
@@ -28,7 +35,9 @@ def test_replay_equals_real_decoding(family):
         reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
         eos = int(reference[0, -max_new // 3]) if case % 2 else None
         if eos is not None:
-            reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            reference = target.generate(
+                prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0
+            )
         hidden = target(reference, output_hidden_states=True).hidden_states
         for block_size in (2, 4, 7, 16):
             for scripted in (True, False):
@@ -41,8 +50,16 @@ def test_replay_equals_real_decoding(family):
                 assert torch.equal(out, reference)
                 if scripted:
                     drafter.rig(target, reference, error_rate=0.3, seed=case)  # same error draws again
-                sim = replay_block_size(target, drafter, hidden, reference, prompt.shape[1], block_size, max_new,
-                                        [eos] if eos is not None else [])
+                sim = replay_block_size(
+                    target,
+                    drafter,
+                    hidden,
+                    reference,
+                    prompt.shape[1],
+                    block_size,
+                    max_new,
+                    [eos] if eos is not None else [],
+                )
                 msg = f"case {case} b={block_size} scripted={scripted}"
                 assert sim.accepted_per_round == real.accepted_per_round, msg
                 assert sim.drafted_per_round == real.drafted_per_round, msg
@@ -111,9 +128,19 @@ def test_expected_sampled_stats_equal_the_greedy_replay_when_sampling_is_determi
         for block_size in (2, 4, 7):
             drafter = ScriptedDrafter.from_target(target, block_size=block_size).eval()
             drafter.rig(target, reference, error_rate=0.3, seed=case, by_position=True)
-            greedy = replay_block_size(target, drafter, out.hidden_states, reference, prompt.shape[1], block_size, max_new)
+            greedy = replay_block_size(
+                target, drafter, out.hidden_states, reference, prompt.shape[1], block_size, max_new
+            )
             tau, forwards, _ = expected_sampled_stats(
-                target, drafter, out.hidden_states, out.logits, reference, prompt.shape[1], block_size, max_new, processors
+                target,
+                drafter,
+                out.hidden_states,
+                out.logits,
+                reference,
+                prompt.shape[1],
+                block_size,
+                max_new,
+                processors,
             )
             assert forwards == greedy.target_forwards and tau == pytest.approx(greedy.tau), (case, block_size)
             partial += any(0 < a < block_size - 1 for a in greedy.accepted_per_round)
@@ -166,8 +193,15 @@ def test_replay_under_the_adaptive_controller_equals_real_decoding(family):
         drafter = ScriptedDrafter.from_target(target, block_size=8).eval()
         drafter.rig(target, reference, error_rate=0.25, seed=case, by_position=True, varied_confidence=True)
         controller = AdaptiveVerify(8, acceptance=acceptance, cost_model=cost)
-        real = target.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                               assistant_model=drafter, draft_controller=controller)
+        real = target.generate(
+            prompt,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            assistant_model=drafter,
+            draft_controller=controller,
+        )
         assert torch.equal(real, reference)
         real_stats = drafter.last_stats
         # the same draws again: the rigged drafter's random margins follow its call order

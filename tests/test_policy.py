@@ -223,7 +223,9 @@ def test_a_policy_for_another_prompt_lookup_setting_warns(tmp_path, target):
         warnings.simplefilter("error")  # the same setting: silent
         _greedy(target, _prompt(), assistant_model=drafter)
     drafter.prompt_lookup = True
-    with pytest.warns(UserWarning, match="prompt lookup off, but drafter.prompt_lookup is True.*collect --prompt-lookup"):
+    with pytest.warns(
+        UserWarning, match="prompt lookup off, but drafter.prompt_lookup is True.*collect --prompt-lookup"
+    ):
         _greedy(target, _prompt(), assistant_model=drafter)
     make_policy(target, drafter, prompt_lookup=True).save_pretrained(tmp_path / "lookup")
     drafter.set_policy(BlockPilotPolicy.from_pretrained(tmp_path / "lookup"))
@@ -242,20 +244,38 @@ def test_bad_candidates_are_rejected(target):
 
 
 def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target):
-    from hf_blockpilot.training.policy_training import PolicyReport
-
     from dataclasses import asdict
 
-    hot = PolicyReport(accuracy=0.5, regret=0.2, policy_value=2.5, best_fixed_b=3, best_fixed_value=2.4,
-                       oracle_value=2.9, chosen={1: 0, 3: 20, 6: 0}, validation_prompts=20)
-    report = PolicyReport(accuracy=0.75, regret=0.0123, policy_value=3.5, best_fixed_b=6,
-                          best_fixed_value=3.1, oracle_value=3.9, objective="throughput", validation_prompts=40,
-                          by_temperature={"1": asdict(hot)})
+    from hf_blockpilot.training.policy_training import PolicyReport
+
+    hot = PolicyReport(
+        accuracy=0.5,
+        regret=0.2,
+        policy_value=2.5,
+        best_fixed_b=3,
+        best_fixed_value=2.4,
+        oracle_value=2.9,
+        chosen={1: 0, 3: 20, 6: 0},
+        validation_prompts=20,
+    )
+    report = PolicyReport(
+        accuracy=0.75,
+        regret=0.0123,
+        policy_value=3.5,
+        best_fixed_b=6,
+        best_fixed_value=3.1,
+        oracle_value=3.9,
+        objective="throughput",
+        validation_prompts=40,
+        by_temperature={"1": asdict(hot)},
+    )
     make_policy(target).save_pretrained(tmp_path / "first")
     policy = BlockPilotPolicy.from_pretrained(tmp_path / "first")
     assert policy.report is None
     torch.manual_seed(0)
-    policy = BlockPilotPolicy(**{**json.loads((tmp_path / "first" / "config.json").read_text()), "report": asdict(report)})
+    policy = BlockPilotPolicy(
+        **{**json.loads((tmp_path / "first" / "config.json").read_text()), "report": asdict(report)}
+    )
     policy.save_pretrained(tmp_path / "p")
     reloaded = BlockPilotPolicy.from_pretrained(tmp_path / "p")  # the report survives the round trip
     assert reloaded.report["best_fixed_b"] == 6

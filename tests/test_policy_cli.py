@@ -16,9 +16,30 @@ def test_collect_train_evaluate(tmp_path, capsys):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
     labels = tmp_path / "labels"
-    args = ["collect", *models, "--output-dir", str(labels), "--dataset", "stdlib", "--num-prompts", "12",
-            "--candidates", "1", "3", "6", "--feature-layers", "1", "3", "--max-new-tokens", "16", "--verify", "2",
-            "--temperatures", "0", "1"]
+    args = [
+        "collect",
+        *models,
+        "--output-dir",
+        str(labels),
+        "--dataset",
+        "stdlib",
+        "--num-prompts",
+        "12",
+        "--candidates",
+        "1",
+        "3",
+        "6",
+        "--feature-layers",
+        "1",
+        "3",
+        "--max-new-tokens",
+        "16",
+        "--verify",
+        "2",
+        "--temperatures",
+        "0",
+        "1",
+    ]
     assert main(args) == 0
     assert main(args) == 0  # resumable: a rerun adds nothing
     records = read_oracle_labels(labels)
@@ -37,7 +58,22 @@ def test_collect_train_evaluate(tmp_path, capsys):
     assert check["checked"] == 4 and check["equal"] == 4 and check["speedup"] > 0
 
     policy_dir = tmp_path / "policy"
-    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(tmp_path / "sub"), "--candidates", "3", "6"]) == 0
+    assert (
+        main(
+            [
+                "train-policy",
+                *models,
+                "--labels",
+                str(labels),
+                "--output",
+                str(tmp_path / "sub"),
+                "--candidates",
+                "3",
+                "6",
+            ]
+        )
+        == 0
+    )
     assert BlockPilotPolicy.from_pretrained(tmp_path / "sub").candidates == [3, 6]
     assert main(["train-policy", *models, "--labels", str(labels), "--output", str(tmp_path / "sub")]) == 0
     assert "| candidate block sizes | 1, 3, 6 (1 = speculation off) |" in (tmp_path / "sub" / "README.md").read_text()
@@ -52,8 +88,25 @@ def test_collect_train_evaluate(tmp_path, capsys):
 
     capsys.readouterr()
     out_json = tmp_path / "eval.json"
-    assert main(["evaluate-policy", *models, "--policy", str(policy_dir), "--datasets", "humaneval", "--limit", "2",
-                 "--max-new-tokens", "8", "--output", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "evaluate-policy",
+                *models,
+                "--policy",
+                str(policy_dir),
+                "--datasets",
+                "humaneval",
+                "--limit",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--output",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     for method in ("plain", "b=3", "b=6", "policy", "oracle"):
         assert f"| {method} |" in table
@@ -64,9 +117,29 @@ def test_collect_train_evaluate(tmp_path, capsys):
 def test_collect_shards_over_processes(tmp_path, monkeypatch):
     """Two processes (RANK/WORLD_SIZE as `accelerate launch` sets them) split the prompts without overlap."""
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    args = ["collect", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu",
-            "--output-dir", str(tmp_path / "labels"), "--num-prompts", "7", "--candidates", "1", "4",
-            "--feature-layers", "1", "--max-new-tokens", "8", "--no-cost-model", "--temperatures", "0"]
+    args = [
+        "collect",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "labels"),
+        "--num-prompts",
+        "7",
+        "--candidates",
+        "1",
+        "4",
+        "--feature-layers",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--no-cost-model",
+        "--temperatures",
+        "0",
+    ]
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
@@ -82,8 +155,30 @@ def test_measure_cost_and_train_policy_with_a_cost_model_from_another_device(tmp
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
     labels = tmp_path / "labels"
-    assert main(["collect", *models, "--output-dir", str(labels), "--num-prompts", "10", "--candidates", "1", "3", "6",
-                 "--feature-layers", "1", "--max-new-tokens", "12", "--no-cost-model", "--temperatures", "0"]) == 0
+    assert (
+        main(
+            [
+                "collect",
+                *models,
+                "--output-dir",
+                str(labels),
+                "--num-prompts",
+                "10",
+                "--candidates",
+                "1",
+                "3",
+                "6",
+                "--feature-layers",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--no-cost-model",
+                "--temperatures",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert not (labels / "cost_model.json").exists()
 
     measured = tmp_path / "cost.json"
@@ -94,24 +189,67 @@ def test_measure_cost_and_train_policy_with_a_cost_model_from_another_device(tmp
     assert "b=6: round" in capsys.readouterr().out
 
     # a device where a 6-token round is nearly free: every prompt's throughput oracle becomes b = 6
-    fake = {**cost, "device": "fake-gpu", "target_ms": {"1": 30.0, "3": 30.0, "6": 1e-3}, "drafter_ms": {"3": 1.0, "6": 1e-3}}
+    fake = {
+        **cost,
+        "device": "fake-gpu",
+        "target_ms": {"1": 30.0, "3": 30.0, "6": 1e-3},
+        "drafter_ms": {"3": 1.0, "6": 1e-3},
+    }
     (tmp_path / "fake.json").write_text(json.dumps(fake))
     out = tmp_path / "policy"
-    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model",
-                 str(tmp_path / "fake.json")]) == 0
+    assert (
+        main(
+            [
+                "train-policy",
+                *models,
+                "--labels",
+                str(labels),
+                "--output",
+                str(out),
+                "--cost-model",
+                str(tmp_path / "fake.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "training_report.json").read_text())
     assert report["cost_model_device"] == "fake-gpu" and report["best_fixed_b"] == 6
-    assert set(report["oracle_counts"]) == {"1", "3", "6"} and report["oracle_counts"]["6"] == report["validation_prompts"]
+    assert (
+        set(report["oracle_counts"]) == {"1", "3", "6"} and report["oracle_counts"]["6"] == report["validation_prompts"]
+    )
     assert "round latencies measured on fake-gpu" in (out / "README.md").read_text()
 
     capsys.readouterr()
-    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model",
-                 str(tmp_path / "no.json")]) == 2
+    assert (
+        main(
+            [
+                "train-policy",
+                *models,
+                "--labels",
+                str(labels),
+                "--output",
+                str(out),
+                "--cost-model",
+                str(tmp_path / "no.json"),
+            ]
+        )
+        == 2
+    )
     assert "hf-blockpilot measure-cost --output" in capsys.readouterr().err
     (tmp_path / "partial.json").write_text(json.dumps({**fake, "target_ms": {"1": 30.0, "3": 30.0}}))
     with pytest.raises(SystemExit, match=r"no latency for block sizes \[6\]"):
-        main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--cost-model",
-              str(tmp_path / "partial.json")])
+        main(
+            [
+                "train-policy",
+                *models,
+                "--labels",
+                str(labels),
+                "--output",
+                str(out),
+                "--cost-model",
+                str(tmp_path / "partial.json"),
+            ]
+        )
 
 
 def test_a_policy_trained_on_prompt_lookup_labels_records_it(tmp_path):
@@ -119,11 +257,34 @@ def test_a_policy_trained_on_prompt_lookup_labels_records_it(tmp_path):
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
     labels = tmp_path / "labels"
-    assert main(["collect", *models, "--prompt-lookup", "--output-dir", str(labels), "--num-prompts", "10",
-                 "--candidates", "1", "4", "--feature-layers", "1", "--max-new-tokens", "12", "--no-cost-model",
-                 "--temperatures", "0"]) == 0
+    assert (
+        main(
+            [
+                "collect",
+                *models,
+                "--prompt-lookup",
+                "--output-dir",
+                str(labels),
+                "--num-prompts",
+                "10",
+                "--candidates",
+                "1",
+                "4",
+                "--feature-layers",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--no-cost-model",
+                "--temperatures",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "policy"
-    assert main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--objective", "acceptance"]) == 0
+    assert (
+        main(["train-policy", *models, "--labels", str(labels), "--output", str(out), "--objective", "acceptance"]) == 0
+    )
     assert BlockPilotPolicy.from_pretrained(out).prompt_lookup is True
     card = (out / "README.md").read_text()
     assert "| prompt lookup | on (labels collected with `--prompt-lookup`" in card
@@ -135,8 +296,24 @@ def test_composed_labels_under_the_adaptive_controller(tmp_path):
     collect labels the drafting width *with* AdaptiveVerify (that model) cutting each round."""
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
-    common = ["--dataset", "stdlib", "--num-prompts", "6", "--candidates", "1", "3", "6", "--feature-layers", "1", "3",
-              "--max-new-tokens", "16", "--temperatures", "0", "1"]
+    common = [
+        "--dataset",
+        "stdlib",
+        "--num-prompts",
+        "6",
+        "--candidates",
+        "1",
+        "3",
+        "6",
+        "--feature-layers",
+        "1",
+        "3",
+        "--max-new-tokens",
+        "16",
+        "--temperatures",
+        "0",
+        "1",
+    ]
     assert main(["collect", *models, "--output-dir", str(tmp_path / "fixed"), *common]) == 0
     fixed = read_oracle_labels(tmp_path / "fixed")
     assert all(r.controller == "fixed" and set(r.ms) == {1, 3, 6} and r.slot_rows for r in fixed)
@@ -147,13 +324,41 @@ def test_composed_labels_under_the_adaptive_controller(tmp_path):
     assert "calibrated acceptance" in (tmp_path / "p1" / "README.md").read_text()
 
     # --adaptive needs the cost model: a one-line error before any model loads
-    assert main(["collect", *models, "--output-dir", str(tmp_path / "x"), *common, "--adaptive", "--no-cost-model"]) == 2
-    assert main(["collect", *models, "--output-dir", str(tmp_path / "adaptive"), *common, "--adaptive",
-                 "--acceptance-model", str(tmp_path / "p1")]) == 0
+    assert (
+        main(["collect", *models, "--output-dir", str(tmp_path / "x"), *common, "--adaptive", "--no-cost-model"]) == 2
+    )
+    assert (
+        main(
+            [
+                "collect",
+                *models,
+                "--output-dir",
+                str(tmp_path / "adaptive"),
+                *common,
+                "--adaptive",
+                "--acceptance-model",
+                str(tmp_path / "p1"),
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "adaptive" / "manifest.json").read_text())
     assert manifest["controller"] == "adaptive" and manifest["acceptance_model"] == first.acceptance_model.to_dict()
     composed = read_oracle_labels(tmp_path / "adaptive")
     assert all(r.controller == "adaptive" and set(r.ms) == {1, 3, 6} for r in composed)
-    assert main(["train-policy", *models, "--labels", str(tmp_path / "adaptive"), "--output", str(tmp_path / "p2"),
-                 "--acceptance-model", str(tmp_path / "p1" / "acceptance_model.json")]) == 0
+    assert (
+        main(
+            [
+                "train-policy",
+                *models,
+                "--labels",
+                str(tmp_path / "adaptive"),
+                "--output",
+                str(tmp_path / "p2"),
+                "--acceptance-model",
+                str(tmp_path / "p1" / "acceptance_model.json"),
+            ]
+        )
+        == 0
+    )
     assert BlockPilotPolicy.from_pretrained(tmp_path / "p2").acceptance_model == first.acceptance_model

@@ -87,10 +87,16 @@ def test_imported_policy_decodes_losslessly_under_generate(target, tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda s: s | {"layers.0.weight": torch.zeros(WIDTH, VOCAB + 1, dtype=torch.bfloat16)}, "trained for another target"),
+        (
+            lambda s: s | {"layers.0.weight": torch.zeros(WIDTH, VOCAB + 1, dtype=torch.bfloat16)},
+            "trained for another target",
+        ),
         (lambda s: {k: v for k, v in s.items() if k != "fc_out.bias"}, "missing ['fc_out.bias']"),
         (lambda s: s | {"head.weight": torch.zeros(1)}, "unexpected ['head.weight']"),
-        (lambda s: s | {"layers.1.weight": torch.zeros(WIDTH, 3, dtype=torch.bfloat16)}, "does not fit the predictor layout"),
+        (
+            lambda s: s | {"layers.1.weight": torch.zeros(WIDTH, 3, dtype=torch.bfloat16)},
+            "does not fit the predictor layout",
+        ),
         (lambda s: s | {"fc_out.weight": torch.zeros(4, WIDTH), "fc_out.bias": torch.zeros(4)}, "4 output classes"),
     ],
 )
@@ -120,8 +126,12 @@ def test_import_policy_command(tmp_path, capsys):
     torch.save(authors_state_dict(width=256, depth=3, classes=3), tmp_path / "model.pt")
     models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
     out = tmp_path / "imported"
-    assert main(["import-policy", str(tmp_path / "model.pt"), *models, "--output", str(out),
-                 "--candidates", "4", "8", "2"]) == 0
+    assert (
+        main(
+            ["import-policy", str(tmp_path / "model.pt"), *models, "--output", str(out), "--candidates", "4", "8", "2"]
+        )
+        == 0
+    )
     policy = BlockPilotPolicy.from_pretrained(out)
     assert policy.candidates == [4, 8, 2] and len(policy.logits_mlp.layers) == 3  # class order kept
     card = (out / "README.md").read_text()

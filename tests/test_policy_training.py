@@ -65,8 +65,9 @@ def test_evaluate_choices_by_hand():
 def test_policy_learns_the_per_prompt_choice(loss):
     target = make_target("qwen3", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
     drafter = make_drafter(target)
-    config = PolicyTrainingConfig(loss=loss, objective="throughput", epochs=400, patience=100, learning_rate=1e-2,
-                                  dropout=0.0, width=16)
+    config = PolicyTrainingConfig(
+        loss=loss, objective="throughput", epochs=400, patience=100, learning_rate=1e-2, dropout=0.0, width=16
+    )
     # on this cost model hard prompts are fastest without speculation, easy ones with b=8
     cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
     policy, report = train_policy(_records(800), CANDIDATES, [1], target, drafter, config, cost)

@@ -75,7 +75,9 @@ def test_extend_context_caches_what_a_forward_would(family):
     block = torch.randn(1, 4, HIDDEN)
     with torch.no_grad():
         reference = drafter(
-            block_embeds=block, block_position_ids=torch.arange(9, 13)[None], target_hidden=hidden,
+            block_embeds=block,
+            block_position_ids=torch.arange(9, 13)[None],
+            target_hidden=hidden,
             context_position_ids=torch.arange(9)[None],
         ).last_hidden_state
         cache = DraftContextCache()
@@ -83,8 +85,11 @@ def test_extend_context_caches_what_a_forward_would(family):
         drafter.extend_context(hidden[:, 5:7], torch.arange(5, 7)[None], cache)
         assert cache.get_seq_length() == 7
         cached = drafter(
-            block_embeds=block, block_position_ids=torch.arange(9, 13)[None], target_hidden=hidden[:, 7:],
-            context_position_ids=torch.arange(7, 9)[None], cache=cache,
+            block_embeds=block,
+            block_position_ids=torch.arange(9, 13)[None],
+            target_hidden=hidden[:, 7:],
+            context_position_ids=torch.arange(7, 9)[None],
+            cache=cache,
         ).last_hidden_state
     torch.testing.assert_close(cached, reference)
 

@@ -20,14 +20,22 @@ reference = pytest.importorskip("dflash.model", reason="the reference package: p
 VOCAB, HIDDEN = 24, 64  # prompts avoid id 0: `generate` takes it for padding (pad_token_id=0) and masks it
 
 
-def reference_config(target, num_layers: int, block_size: int, layer_ids, architecture: str = "DFlashDraftModel",
-                     **dflash_fields) -> Qwen3Config:
+def reference_config(
+    target, num_layers: int, block_size: int, layer_ids, architecture: str = "DFlashDraftModel", **dflash_fields
+) -> Qwen3Config:
     """A drafter config in z-lab's layout, as the reference's classes read it, sized for `target`."""
     text = target.config.get_text_config()
     config = Qwen3Config(
-        hidden_size=text.hidden_size, intermediate_size=2 * text.hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=text.vocab_size,
-        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        hidden_size=text.hidden_size,
+        intermediate_size=2 * text.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
     )
     config.num_target_layers = text.num_hidden_layers
     config.block_size = block_size
@@ -77,35 +85,62 @@ def assert_cached_drafts_equal(ref, ours, target, spans, width: int, tolerance: 
             block = torch.full((1, width), ours.mask_token_id)
             block[0, 0] = ids[0, stop]
             positions = torch.arange(start, stop + width)[None]
-            expected = ref(target_hidden=context[:, start:stop], noise_embedding=embed(block),
-                           position_ids=positions, past_key_values=ref_cache, use_cache=True)[:, -width:]
+            expected = ref(
+                target_hidden=context[:, start:stop],
+                noise_embedding=embed(block),
+                position_ids=positions,
+                past_key_values=ref_cache,
+                use_cache=True,
+            )[:, -width:]
             reference._crop_to(ref_cache, stop)  # keep the context only, as the reference loop does
-            got = ours(block_embeds=embed(block), block_position_ids=positions[:, -width:],
-                       target_hidden=context[:, start:stop], context_position_ids=positions[:, :-width],
-                       cache=our_cache).last_hidden_state
+            got = ours(
+                block_embeds=embed(block),
+                block_position_ids=positions[:, -width:],
+                target_hidden=context[:, start:stop],
+                context_position_ids=positions[:, :-width],
+                cache=our_cache,
+            ).last_hidden_state
             torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
-            torch.testing.assert_close(ours.finish_logits(target.lm_head(got)).softmax(-1),
-                                       ref.compute_logits(expected, target.lm_head).softmax(-1))
+            torch.testing.assert_close(
+                ours.finish_logits(target.lm_head(got)).softmax(-1),
+                ref.compute_logits(expected, target.lm_head).softmax(-1),
+            )
 
 
 #: The newer z-lab drafters' draft-layer attention (gpt-oss family, larger DFlash 2 drafters), each field where the
 #: reference reads it, with the (is_causal, sliding_window) each of the two layers gets. Windows of 2-4 tokens:
 #: contexts and blocks longer than them.
 ATTENTION_EDITS = {
-    "sliding layer (causal by default), full layer": (lambda c: c.update(
-        layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=3),
-        [(True, 3), (False, None)]),
-    "sliding layers, is_causal=false": (lambda c: c.update(
-        layer_types=["sliding_attention"] * 2, use_sliding_window=True, sliding_window=2, is_causal=False),
-        [(False, 2), (False, 2)]),
-    "full and sliding layer, is_causal=true": (lambda c: c.update(
-        layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=4, is_causal=True),
-        [(True, None), (True, 4)]),
+    "sliding layer (causal by default), full layer": (
+        lambda c: c.update(
+            layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=3
+        ),
+        [(True, 3), (False, None)],
+    ),
+    "sliding layers, is_causal=false": (
+        lambda c: c.update(
+            layer_types=["sliding_attention"] * 2, use_sliding_window=True, sliding_window=2, is_causal=False
+        ),
+        [(False, 2), (False, 2)],
+    ),
+    "full and sliding layer, is_causal=true": (
+        lambda c: c.update(
+            layer_types=["full_attention", "sliding_attention"],
+            use_sliding_window=True,
+            sliding_window=4,
+            is_causal=True,
+        ),
+        [(True, None), (True, 4)],
+    ),
     "full layers, is_causal=true": (lambda c: c.update(is_causal=True), [(True, None), (True, None)]),
-    "use_sliding_window=true over max_window_layers": (lambda c: (c.pop("layer_types"), c.update(
-        use_sliding_window=True, sliding_window=3, max_window_layers=1)), [(False, None), (True, 3)]),
-    "use_sliding_window=false (window off)": (lambda c: (c.pop("layer_types"), c.update(
-        use_sliding_window=False, sliding_window=2, max_window_layers=0)), [(False, None), (False, None)]),
+    "use_sliding_window=true over max_window_layers": (
+        lambda c: (c.pop("layer_types"), c.update(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+        [(False, None), (True, 3)],
+    ),
+    "use_sliding_window=false (window off)": (
+        lambda c: (c.pop("layer_types"), c.update(use_sliding_window=False, sliding_window=2, max_window_layers=0)),
+        [(False, None), (False, None)],
+    ),
 }
 
 
@@ -127,8 +162,7 @@ def test_draft_attention_kinds_draft_as_the_reference(tmp_path, monkeypatch, ver
     ours = BlockDiffusionDrafter.from_pretrained(tmp_path / "d", dtype=torch.float64).eval()
     for model in (ref, ours):
         assert [(layer.self_attn.is_causal, layer.self_attn.sliding_window) for layer in model.layers] == layers
-    assert_cached_drafts_equal(ref, ours, target, spans=((0, 9), (9, 13), (13, 14), (14, 20)), width=6,
-                               tolerance=1e-9)
+    assert_cached_drafts_equal(ref, ours, target, spans=((0, 9), (9, 13), (13, 14), (14, 20)), width=6, tolerance=1e-9)
     full = partial = 0
     for case in range(4):
         counts = assert_rounds_equal_the_reference(ref, ours, target, random.Random(case), case)
@@ -171,9 +205,18 @@ def trained_checkpoint(tmp_path_factory):
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3])
     init_drafter_from_target(drafter, target)
     hidden = cache_hidden_states(target, sequences, drafter.target_layer_ids, root / "hidden", dtype=torch.float32)
-    config = DrafterTrainingConfig(block_size=4, anchors_per_sequence=8, sequences_per_step=4, max_steps=120,
-                                   learning_rate=1e-2, warmup_steps=5, save_every=1000, log_every=1000, bf16=False,
-                                   validation_fraction=0.0)
+    config = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=8,
+        sequences_per_step=4,
+        max_steps=120,
+        learning_rate=1e-2,
+        warmup_steps=5,
+        save_every=1000,
+        log_every=1000,
+        bf16=False,
+        validation_fraction=0.0,
+    )
     DrafterTrainer(drafter, target, sequences, hidden, root / "run", config).train()
     drafter.eval().save_pretrained(root / "drafter")
     return target, root / "drafter"
@@ -182,8 +225,14 @@ def trained_checkpoint(tmp_path_factory):
 def _random_case(rng: random.Random, targets: dict, directory, case: int):
     target = targets[rng.choice(sorted(targets))]
     block_size = rng.choice([2, 3, 4, 6, 8])
-    reference_drafter(target, directory, num_layers=rng.choice([1, 2]), block_size=block_size,
-                      layer_ids=rng.choice([(1,), (0, 2), (1, 2, 3)]), seed=case)
+    reference_drafter(
+        target,
+        directory,
+        num_layers=rng.choice([1, 2]),
+        block_size=block_size,
+        layer_ids=rng.choice([(1,), (0, 2), (1, 2, 3)]),
+        seed=case,
+    )
     return target, directory, block_size
 
 
@@ -238,7 +287,9 @@ FIELD_EDITS = {
     # each field the reference reads, where the reference reads it
     "dflash_config.block_size": lambda c: c["dflash_config"].update(block_size=5),
     "top-level mask_token_id and target_layer_ids": lambda c: c.update(
-        mask_token_id=c["dflash_config"].pop("mask_token_id"), target_layer_ids=c["dflash_config"].pop("target_layer_ids")),
+        mask_token_id=c["dflash_config"].pop("mask_token_id"),
+        target_layer_ids=c["dflash_config"].pop("target_layer_ids"),
+    ),
     "input_embedding_scale": lambda c: c["dflash_config"].update(input_embedding_scale=2.5),
     "output_multiplier": lambda c: c.update(output_multiplier=0.4),
     "final_logit_softcapping": lambda c: c["dflash_config"].update(final_logit_softcapping=2.0),
@@ -265,11 +316,24 @@ def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, f
         block[0, 0] = ids[0, -1]
         positions = torch.arange(12 + ours.block_size)[None]
         scale = float(reference._draft_value(ref.config, "input_embedding_scale", 1.0))
-        expected = ref.compute_logits(ref(target_hidden=context, noise_embedding=reference._raw_input_embeddings(
-            target, block, scale), position_ids=positions)[:, 1:], target.lm_head)
-        got = ours.finish_logits(target.lm_head(ours(
-            block_embeds=ours.embed_block(target.get_input_embeddings(), block), block_position_ids=positions[:, 12:],
-            target_hidden=context, context_position_ids=positions[:, :12]).last_hidden_state[:, 1:]))
+        expected = ref.compute_logits(
+            ref(
+                target_hidden=context,
+                noise_embedding=reference._raw_input_embeddings(target, block, scale),
+                position_ids=positions,
+            )[:, 1:],
+            target.lm_head,
+        )
+        got = ours.finish_logits(
+            target.lm_head(
+                ours(
+                    block_embeds=ours.embed_block(target.get_input_embeddings(), block),
+                    block_position_ids=positions[:, 12:],
+                    target_hidden=context,
+                    context_position_ids=positions[:, :12],
+                ).last_hidden_state[:, 1:]
+            )
+        )
     torch.testing.assert_close(got.softmax(-1), expected.softmax(-1))
     for seed in range(4):
         prompt = torch.randint(1, VOCAB - 1, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
@@ -281,17 +345,27 @@ def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, f
 
 @pytest.mark.parametrize(
     ("edit", "message"),
-    [(lambda c: c.update(is_causal="yes"), "is_causal must be true, false or absent"),
-     # sliding layers without a window: the reference's own loop cannot build their cache
-     (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=4),
-      "lists sliding_attention but it has no window"),
-     (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], use_sliding_window=True,
-                         sliding_window=0), "sliding_window must be an int >= 1"),
-     (lambda c: c.update(layer_types=["chunked_attention"] * c["num_hidden_layers"]),
-      r"lists \['chunked_attention'\], which hf-blockpilot does not implement"),
-     # weights under the other architecture name: never load as the other family and draft something else
-     (lambda c: c.update(architectures=["DFlash2DraftModel"]), "lacks DFlash 2 fields"),
-     (lambda c: c["dflash_config"].update(noise_schedule="cosine"), r"does not know: \['noise_schedule'\]")],
+    [
+        (lambda c: c.update(is_causal="yes"), "is_causal must be true, false or absent"),
+        # sliding layers without a window: the reference's own loop cannot build their cache
+        (
+            lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"], sliding_window=4),
+            "lists sliding_attention but it has no window",
+        ),
+        (
+            lambda c: c.update(
+                layer_types=["sliding_attention"] * c["num_hidden_layers"], use_sliding_window=True, sliding_window=0
+            ),
+            "sliding_window must be an int >= 1",
+        ),
+        (
+            lambda c: c.update(layer_types=["chunked_attention"] * c["num_hidden_layers"]),
+            r"lists \['chunked_attention'\], which hf-blockpilot does not implement",
+        ),
+        # weights under the other architecture name: never load as the other family and draft something else
+        (lambda c: c.update(architectures=["DFlash2DraftModel"]), "lacks DFlash 2 fields"),
+        (lambda c: c["dflash_config"].update(noise_schedule="cosine"), r"does not know: \['noise_schedule'\]"),
+    ],
 )
 def test_fields_the_package_cannot_honour_are_errors(tmp_path, edit, message):
     target = _target("qwen3", seed=0)
@@ -314,7 +388,9 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
     )
 
     target, directory = trained_checkpoint
-    drafter = BlockDiffusionDrafter.from_pretrained(directory, dtype=target.dtype).eval()  # an earlier test made it fp64
+    drafter = BlockDiffusionDrafter.from_pretrained(
+        directory, dtype=target.dtype
+    ).eval()  # an earlier test made it fp64
     tokenizer = char_tokenizer(VOCAB)
     tokenizer.chat_template = None
     prompts = [PromptRecord(f"p{i}", "tiny", text) for i, text in enumerate(["abcab", "fedcbafe", "ghij"])]
@@ -322,15 +398,19 @@ def test_speed_comparison_runs_both_loops_on_the_same_drafter(trained_checkpoint
     assert len(runs) == 3 * 2 * 2
     for prompt in prompts:
         for b in (2, 4):
-            ours, theirs = (next(r for r in runs if (r.prompt_id, r.block_size, r.method) == (prompt.id, b, side))
-                            for side in ("hf-blockpilot", "dflash-reference"))
+            ours, theirs = (
+                next(r for r in runs if (r.prompt_id, r.block_size, r.method) == (prompt.id, b, side))
+                for side in ("hf-blockpilot", "dflash-reference")
+            )
             assert ours.identical_to_plain and theirs.identical_to_plain
             assert ours.new_tokens == theirs.new_tokens == 20
             assert ours.target_forwards == theirs.target_forwards  # the same rounds
             assert ours.drafter_seconds > 0 and theirs.drafter_seconds > 0
             assert 0 < ours.target_seconds < ours.seconds
     rows = summarize_peers(runs)
-    assert {(r["block_size"], r["method"]) for r in rows} == {(b, s) for b in (2, 4) for s in ("hf-blockpilot", "dflash-reference")}
+    assert {(r["block_size"], r["method"]) for r in rows} == {
+        (b, s) for b in (2, 4) for s in ("hf-blockpilot", "dflash-reference")
+    }
     for b in (2, 4):
         ours, theirs = (r for r in rows if r["block_size"] == b)
         assert ours["tau"] == theirs["tau"] > 1.0 and ours["mismatches"] == theirs["mismatches"] == 0
@@ -380,11 +460,24 @@ def test_gemma_style_target_drafts_as_the_reference(tmp_path, monkeypatch, scale
         block = torch.full((1, 4), ours.mask_token_id)
         block[0, 0] = ids[0, -1]
         positions = torch.arange(14)[None]
-        expected = ref.compute_logits(ref(target_hidden=context, noise_embedding=reference._raw_input_embeddings(
-            target, block, scale or 1.0), position_ids=positions)[:, 1:], reference._output_head(target))
-        got = ours.finish_logits(target.lm_head(ours(
-            block_embeds=ours.embed_block(target.get_input_embeddings(), block), block_position_ids=positions[:, 10:],
-            target_hidden=context, context_position_ids=positions[:, :10]).last_hidden_state[:, 1:]))
+        expected = ref.compute_logits(
+            ref(
+                target_hidden=context,
+                noise_embedding=reference._raw_input_embeddings(target, block, scale or 1.0),
+                position_ids=positions,
+            )[:, 1:],
+            reference._output_head(target),
+        )
+        got = ours.finish_logits(
+            target.lm_head(
+                ours(
+                    block_embeds=ours.embed_block(target.get_input_embeddings(), block),
+                    block_position_ids=positions[:, 10:],
+                    target_hidden=context,
+                    context_position_ids=positions[:, :10],
+                ).last_hidden_state[:, 1:]
+            )
+        )
     torch.testing.assert_close(got.softmax(-1), expected.softmax(-1))
     full = partial = 0
     for seed in range(6):

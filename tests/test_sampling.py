@@ -80,7 +80,11 @@ def _warp(
 
 @torch.no_grad()
 def exact_joint(
-    target, prompt: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None = None,
+    target,
+    prompt: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None = None,
     min_p: float | None = None,
 ) -> torch.Tensor:
     """P(first NUM_TOKENS tokens = c) for every continuation c, index sum(c_i * VOCAB**(n-1-i))."""
@@ -171,7 +175,9 @@ def test_sampling_matches_exact_distribution(target, built_generators, config):
     else:
         assert len(generator.logits_processor) >= 2, generator.logits_processor
         joint = exact_joint(target, PROMPT, **kwargs)
-        assert (joint == 0).sum() > (exact_joint(target, PROMPT, temperature=kwargs["temperature"], top_k=None) == 0).sum()
+        assert (joint == 0).sum() > (
+            exact_joint(target, PROMPT, temperature=kwargs["temperature"], top_k=None) == 0
+        ).sum()
 
     assert accepted > 0.1 * NUM_SAMPLES, "drafts were (almost) never accepted: the test would be vacuous"
     assert accepted < drafted, "drafts were never rejected: the residual resampling is not exercised"
@@ -278,8 +284,9 @@ def test_sampling_exact_with_a_truncating_controller(target):
     probe = ConfidenceThreshold(threshold=2.0)
     draw(target, drafter, 200, temperature=1.0, top_k=None, draft_controller=probe)
     controller = ConfidenceThreshold(threshold=sorted(probe.seen)[len(probe.seen) // 2])  # cuts about half the slots
-    counts, drafted, accepted, _ = draw(target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None,
-                                        draft_controller=controller)
+    counts, drafted, accepted, _ = draw(
+        target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None, draft_controller=controller
+    )
     rounds = controller.kept
     assert 0.1 < sum(k < 2 for k in rounds) / len(rounds) < 0.9, "the controller never (or always) truncated"
     assert accepted > 0.1 * NUM_SAMPLES and accepted < drafted

@@ -35,22 +35,27 @@ OPTIONS = [
 
 def _controller(rng: random.Random, block_size: int):
     cost = CostModel(target_ms={1: 10.0, 16: 10.0 + rng.uniform(0, 30)}, drafter_ms={16: 1.0})
-    return rng.choice([
-        lambda: None,
-        lambda: block_size,
-        lambda: DraftController(block_size),
-        lambda: AdaptiveVerify(block_size, cost_model=cost),
-        lambda: EntropyStop(block_size, gamma=rng.uniform(0.1, 1.0), threshold=rng.uniform(0.2, 0.8)),
-        lambda: HeuristicSchedule(2, block_size),
-        lambda: AcceptanceEMA(block_size),
-    ])()
+    return rng.choice(
+        [
+            lambda: None,
+            lambda: block_size,
+            lambda: DraftController(block_size),
+            lambda: AdaptiveVerify(block_size, cost_model=cost),
+            lambda: EntropyStop(block_size, gamma=rng.uniform(0.1, 1.0), threshold=rng.uniform(0.2, 0.8)),
+            lambda: HeuristicSchedule(2, block_size),
+            lambda: AcceptanceEMA(block_size),
+        ]
+    )()
 
 
 @pytest.mark.filterwarnings("ignore:Unfeasible length constraints:UserWarning")  # min_new_tokens > room, on purpose
 def test_soak_greedy_equality():
     start = time.perf_counter()
-    targets = [make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, layers=2, seed=seed)
-               for family in ("llama", "qwen3") for seed in (0, 1)]
+    targets = [
+        make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, layers=2, seed=seed)
+        for family in ("llama", "qwen3")
+        for seed in (0, 1)
+    ]
     mismatches, lookups, drafted = [], 0, 0
     for case in range(CASES):
         rng = random.Random(50_000 + case)
@@ -66,13 +71,23 @@ def test_soak_greedy_equality():
         kind = rng.random()
         if kind < 0.5:
             drafter = ScriptedDrafter.from_target(target, block_size=block_size).eval()
-            drafter.rig(target, expected, error_rate=rng.choice([0.0, 0.2, 0.5]), seed=case,
-                        varied_confidence=rng.random() < 0.5)
+            drafter.rig(
+                target,
+                expected,
+                error_rate=rng.choice([0.0, 0.2, 0.5]),
+                seed=case,
+                varied_confidence=rng.random() < 0.5,
+            )
         elif kind < 0.85:
             drafter = make_drafter(target, seed=case, block_size=block_size, scale=rng.choice([1.0, 6.0]))
         else:  # DFlash 2: convolutions and a candidate selector
-            drafter = make_dflash2_drafter(target, seed=case, block_size=block_size,
-                                           conv_kernel_size=rng.choice([2, 3, 4]), selector_top_k=rng.choice([1, 3, 8]))
+            drafter = make_dflash2_drafter(
+                target,
+                seed=case,
+                block_size=block_size,
+                conv_kernel_size=rng.choice([2, 3, 4]),
+                selector_top_k=rng.choice([1, 3, 8]),
+            )
         drafter.prompt_lookup = rng.random() < 0.3
         controller = _controller(rng, block_size)
         got = target.generate(prompt, assistant_model=drafter, draft_controller=controller, **common)
@@ -87,7 +102,8 @@ def test_soak_greedy_equality():
 
 def _hook_count(*models: torch.nn.Module) -> int:
     return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for model in models
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for model in models
         for m in model.modules()
     )
 
@@ -109,8 +125,14 @@ def test_repeated_calls_leak_neither_memory_nor_hooks():
     def run(n: int) -> None:
         for _ in range(n):
             with hf_blockpilot.cpu_verify_kernels(target, drafter):
-                target.generate(prompt, assistant_model=drafter, draft_controller=controller, max_new_tokens=24,
-                                do_sample=False, pad_token_id=0)
+                target.generate(
+                    prompt,
+                    assistant_model=drafter,
+                    draft_controller=controller,
+                    max_new_tokens=24,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
 
     run(5)  # warm-up: lazily built caches and Transformers' output-capturing hooks (installed once)
     hooks = _hook_count(target, drafter)

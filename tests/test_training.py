@@ -78,8 +78,16 @@ def test_training_step_lowers_loss_and_resumes(tmp_path):
     init_drafter_from_target(drafter, target)
     hidden_dir = cache_hidden_states(target, seqs, drafter.target_layer_ids, tmp_path / "hidden")
     cfg = DrafterTrainingConfig(
-        block_size=4, anchors_per_sequence=8, sequences_per_step=2, max_steps=150, learning_rate=1e-2,
-        warmup_steps=5, save_every=50, log_every=10, bf16=False, validation_fraction=0.0,
+        block_size=4,
+        anchors_per_sequence=8,
+        sequences_per_step=2,
+        max_steps=150,
+        learning_rate=1e-2,
+        warmup_steps=5,
+        save_every=50,
+        log_every=10,
+        bf16=False,
+        validation_fraction=0.0,
     )
     trainer = DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / "run", cfg)
     torch.manual_seed(0)
@@ -110,8 +118,17 @@ def test_validation_split_is_held_out_and_tracks_generalisation(tmp_path, caplog
     init_drafter_from_target(drafter, target)
     hidden_dir = cache_hidden_states(target, seqs, drafter.target_layer_ids, tmp_path / "hidden")
     cfg = DrafterTrainingConfig(
-        block_size=4, anchors_per_sequence=8, sequences_per_step=2, max_steps=120, learning_rate=1e-2,
-        warmup_steps=5, save_every=1000, log_every=10, eval_every=60, bf16=False, validation_fraction=0.3,
+        block_size=4,
+        anchors_per_sequence=8,
+        sequences_per_step=2,
+        max_steps=120,
+        learning_rate=1e-2,
+        warmup_steps=5,
+        save_every=1000,
+        log_every=10,
+        eval_every=60,
+        bf16=False,
+        validation_fraction=0.3,
     )
     trainer = DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / "run", cfg)
     assert sorted(s.id for s in trainer.validation) == sorted(held)
@@ -152,8 +169,8 @@ def _cpu_bf16(monkeypatch, native: bool) -> None:
 def test_generate_responses_resumes_and_uses_bf16_only_where_native(tmp_path, monkeypatch, native):
     from conftest import char_tokenizer
 
-    from hf_blockpilot.data import PromptRecord
     from hf_blockpilot._compat import runs_bf16_natively
+    from hf_blockpilot.data import PromptRecord
     from hf_blockpilot.training.data import generate_responses, read_sequences
 
     _cpu_bf16(monkeypatch, native)
@@ -195,11 +212,19 @@ def test_refreshed_draft_vocab_keeps_weights_and_covers_new_data(tmp_path, caplo
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
     low = [TrainingSequence(f"low/{i}", [3 + (i + t) % 10 for t in range(30)], 4) for i in range(4)]
     high = [TrainingSequence(f"high/{i}", [30 + (i + t) % 10 for t in range(30)], 4) for i in range(4)]
-    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4,
-                                                draft_vocab=build_draft_vocab(low, size=20, vocab_size=48))
+    drafter = BlockDiffusionDrafter.from_target(
+        target, num_hidden_layers=1, block_size=4, draft_vocab=build_draft_vocab(low, size=20, vocab_size=48)
+    )
     hidden_dir = cache_hidden_states(target, low + high, drafter.target_layer_ids, tmp_path / "hidden")
-    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=4, sequences_per_step=2, max_steps=5,
-                                warmup_steps=1, bf16=False, validation_fraction=0.0)
+    cfg = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=4,
+        sequences_per_step=2,
+        max_steps=5,
+        warmup_steps=1,
+        bf16=False,
+        validation_fraction=0.0,
+    )
     trainer = DrafterTrainer(drafter, target, low + high, hidden_dir, tmp_path / "run", cfg)
     assert trainer.vocab_coverage() < 0.6  # the "high" tokens cannot be drafted
     trainer.train()
@@ -275,8 +300,16 @@ def test_live_hidden_states_match_the_disk_cache(tmp_path):
     seqs[1].input_ids = seqs[1].input_ids[:17]
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
     hidden_dir = cache_hidden_states(target, seqs, drafter.target_layer_ids, tmp_path / "hidden")
-    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=4, sequences_per_step=4, max_steps=3,
-                                warmup_steps=1, log_every=1, bf16=False, validation_fraction=0.0)
+    cfg = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=4,
+        sequences_per_step=4,
+        max_steps=3,
+        warmup_steps=1,
+        log_every=1,
+        bf16=False,
+        validation_fraction=0.0,
+    )
     cached = DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / "cached", cfg)
     live = DrafterTrainer(drafter, target, seqs, None, tmp_path / "live", cfg)
     cached_states, live_states = cached.hidden_states(seqs), live.hidden_states(seqs)
@@ -294,12 +327,23 @@ def _trained_on_own_responses(tmp_path, steps: int = 80):
     target.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 48, (1, 6), generator=g) for _ in range(6)]
-    responses = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=30, do_sample=False) for p in prompts]
+    responses = [
+        target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=30, do_sample=False) for p in prompts
+    ]
     seqs = [TrainingSequence(f"r/{i}", r[0].tolist(), 6) for i, r in enumerate(responses)]
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
     init_drafter_from_target(drafter, target)
-    cfg = DrafterTrainingConfig(block_size=4, anchors_per_sequence=16, sequences_per_step=3, max_steps=steps,
-                                learning_rate=1e-2, warmup_steps=5, save_every=1000, bf16=False, validation_fraction=0.0)
+    cfg = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=16,
+        sequences_per_step=3,
+        max_steps=steps,
+        learning_rate=1e-2,
+        warmup_steps=5,
+        save_every=1000,
+        bf16=False,
+        validation_fraction=0.0,
+    )
     trainer = DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg)
     trainer.train()
     drafter.eval()
@@ -313,8 +357,9 @@ def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
     accepted_any = False
     for prompt, response, seq in zip(prompts, responses, seqs):
         replay = trainer.replay_acceptance(seq, trainer.hidden_states([seq])[0], chunk=5)
-        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter,
-                              max_new_tokens=30, do_sample=False)
+        out = target.generate(
+            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False
+        )
         assert torch.equal(out, response)
         real = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]  # per target forward after the prefill
         assert replay[:-1] == real[:-1]  # the last round: generate shortens the block to the tokens left
@@ -328,8 +373,9 @@ def test_decoding_anchors_are_where_real_rounds_start_and_are_trained_on(tmp_pat
     drafter = trainer.drafter
     for prompt, seq in zip(prompts, seqs):
         decoding = trainer.decoding_anchors(seq, trainer.hidden_states([seq])[0])
-        target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter,
-                        max_new_tokens=30, do_sample=False)
+        target.generate(
+            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False
+        )
         committed = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]
         real = [6 + sum(committed[:i]) for i in range(len(committed))]  # each round anchors at its last token
         assert decoding == real

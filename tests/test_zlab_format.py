@@ -245,8 +245,12 @@ def test_load_warnings_are_captured(tmp_path):
     sd = zlab_state_dict(num_layers=2, num_context_layers=2)
     sd["extra.weight"] = sd.pop("norm.weight")
     path = write_zlab_checkpoint(tmp_path / "broken", zlab_config(), sd)
-    with capture_transformers_log() as log, pytest.raises(
-        ValueError, match=r"does not use \['extra.weight'\]; weights it needs but the checkpoint lacks \['norm.weight'\]"
+    with (
+        capture_transformers_log() as log,
+        pytest.raises(
+            ValueError,
+            match=r"does not use \['extra.weight'\]; weights it needs but the checkpoint lacks \['norm.weight'\]",
+        ),
     ):
         BlockDiffusionDrafter.from_pretrained(path)
     assert any("norm.weight" in m for m in log), log
@@ -293,8 +297,16 @@ def test_save_pretrained_writes_zlab_format_and_round_trips(tmp_path, target):
     assert config["num_target_layers"] == TARGET_LAYERS
     assert config["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]}
     assert config["rope_theta"] == zlab_config()["rope_theta"]  # what Transformers 4.x readers take RoPE's base from
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "num_hidden_layers", "rms_norm_eps", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_hidden_layers",
+        "rms_norm_eps",
+        "vocab_size",
+    ):
         assert config[key] == zlab_config()[key], key
     assert set(tensors) == zlab_keys(2), set(tensors) ^ zlab_keys(2)  # no rotary buffers, no d2t
     for key, value in sd.items():
@@ -377,10 +389,18 @@ def test_drafter_and_policy_checkpoints_are_not_taken_for_each_other(tmp_path):
 
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN)
     make_drafter(target).save_pretrained(tmp_path / "drafter")
-    BlockPilotPolicy(candidates=[1, 4], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
-                     target_num_layers=TARGET_LAYERS).save_pretrained(tmp_path / "policy")
-    with pytest.raises(ValueError, match=r"not a DFlash drafter checkpoint: its config has no `dflash_config` "
-                                         r"\(it holds a BlockPilot policy"):
+    BlockPilotPolicy(
+        candidates=[1, 4],
+        feature_layers=[1],
+        target_hidden_size=HIDDEN,
+        target_vocab_size=VOCAB,
+        target_num_layers=TARGET_LAYERS,
+    ).save_pretrained(tmp_path / "policy")
+    with pytest.raises(
+        ValueError,
+        match=r"not a DFlash drafter checkpoint: its config has no `dflash_config` "
+        r"\(it holds a BlockPilot policy",
+    ):
         BlockDiffusionDrafter.from_pretrained(tmp_path / "policy")
     for other in ("drafter", "target"):
         if other == "target":
@@ -459,8 +479,12 @@ def test_auto_classes():
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [("drop", "hold no `d2t` map"), ("negative", "outside the vocabulary"), ("too_large", "outside the vocabulary"),
-     ("repeated", "several draft tokens to one target id")],
+    [
+        ("drop", "hold no `d2t` map"),
+        ("negative", "outside the vocabulary"),
+        ("too_large", "outside the vocabulary"),
+        ("repeated", "several draft tokens to one target id"),
+    ],
 )
 def test_a_damaged_or_missing_draft_vocabulary_map_is_a_load_error(tmp_path, target, change, message):
     draft_vocab = list(range(0, VOCAB, 3))

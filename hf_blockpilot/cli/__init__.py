@@ -41,8 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, ModuleNotFoundError) as error:  # bad input, missing files or packages
         if os.environ.get("HF_BLOCKPILOT_DEBUG"):
             raise
-        print(f"hf-blockpilot {args.command}: error: {error}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        print(
+            f"hf-blockpilot {args.command}: error: {error}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -25,6 +25,7 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
+
 def block_size_arg(text: str) -> int:
     from ..controllers import check_block_size
 
@@ -32,6 +33,7 @@ def block_size_arg(text: str) -> int:
         return check_block_size(int(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
 
 def prompt_text(text: str) -> str:
     """A prompt argument: text that encodes as UTF-8 (bytes that do not decode arrive as lone surrogates)."""
@@ -50,17 +52,20 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
     return value
 
+
 def fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
 
+
 class SortedDistinct(argparse.Action):
     """For lists of block sizes: sorted, each once."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, sorted(set(values)))
+
 
 def device_arg(text: str) -> str:
     try:
@@ -75,22 +80,38 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text}: MPS is not available here; use --device cpu")
     return text
 
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--target", default=None, help="target Hub id or directory (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--drafter", default=None, help="drafter Hub id or directory (default: the embedded drafter)")
-    parser.add_argument("--dtype", default="auto",
-                        help="float32, bfloat16, float16, or auto (default): bfloat16 on a CPU with native bf16 matmul "
-                             "(AMX, AVX512-BF16) where this machine's calibration expects it faster, else float32; "
-                             "bfloat16 on a GPU")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32, bfloat16, float16, or auto (default): bfloat16 on a CPU with native bf16 matmul "
+        "(AMX, AVX512-BF16) where this machine's calibration expects it faster, else float32; "
+        "bfloat16 on a GPU",
+    )
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
 
+
 def add_lookup_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt-lookup", action="store_true",
-                        help="rounds whose last tokens occurred earlier draft their continuation (lossless)")
+    parser.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="rounds whose last tokens occurred earlier draft their continuation (lossless)",
+    )
+
 
 def add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", dest="use_policy", default="default",
-                        help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'")
+    parser.add_argument(
+        "--policy",
+        dest="use_policy",
+        default="default",
+        help="BlockPilot policy Hub id or directory; 'default': the embedded one (embedded pair only); 'none'",
+    )
+
 
 def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
     """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags."""
@@ -161,7 +182,9 @@ def load_acceptance_model(source: str) -> AcceptanceModel:
     if path.is_dir():
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         if not config.get("acceptance_model"):
-            raise ValueError(f"{source} holds no acceptance model (a policy trained on labels with recorded rounds does)")
+            raise ValueError(
+                f"{source} holds no acceptance model (a policy trained on labels with recorded rounds does)"
+            )
         return AcceptanceModel.from_dict(config["acceptance_model"])
     if not path.is_file():
         raise FileNotFoundError(f"no acceptance model at {source}: pass an acceptance_model.json or a policy directory")
@@ -175,7 +198,9 @@ def load_cost_model(source: str | os.PathLike[str]) -> CostModel:
     from ..costs import CostModel
 
     if not Path(source).is_file():
-        raise FileNotFoundError(f"no cost model at {source}: measure one with `hf-blockpilot measure-cost --output {source}`")
+        raise FileNotFoundError(
+            f"no cost model at {source}: measure one with `hf-blockpilot measure-cost --output {source}`"
+        )
     return CostModel.load(source)
 
 

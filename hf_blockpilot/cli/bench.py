@@ -38,12 +38,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if policy is not None:
             controllers["adaptive+policy"] = AdaptiveVerify(policy=policy, cost_model=file_cost_model)
     report = run_benchmark(
-        target, tokenizer, drafter, args.datasets, block_sizes, policy, args.temperatures, args.limit,
-        args.max_new_tokens, args.repeats, args.output_dir, controllers, args.reference, cost_model,
+        target,
+        tokenizer,
+        drafter,
+        args.datasets,
+        block_sizes,
+        policy,
+        args.temperatures,
+        args.limit,
+        args.max_new_tokens,
+        args.repeats,
+        args.output_dir,
+        controllers,
+        args.reference,
+        cost_model,
     )
     print(markdown_report(report))
-    mismatches = sum(row["mismatches"] for run in report["runs"] if run["temperature"] == 0 for row in run["summary"].values())
-    mismatches += sum(row["mismatches"] for run in report["reference"] if run["temperature"] == 0 for row in run["summary"])
+    mismatches = sum(
+        row["mismatches"] for run in report["runs"] if run["temperature"] == 0 for row in run["summary"].values()
+    )
+    mismatches += sum(
+        row["mismatches"] for run in report["reference"] if run["temperature"] == 0 for row in run["summary"]
+    )
     return 0 if mismatches == 0 else 1
 
 
@@ -60,14 +76,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--output-dir", default="bench-results")
-    p.add_argument("--max-block-size", type=block_size_arg, default=16,
-                   help="drafting width of the per-round controllers (adaptive, heuristic, ema, entropy)")
-    p.add_argument("--no-baselines", action="store_true",
-                   help="only plain, fixed block sizes and the policy (no per-round controllers)")
-    p.add_argument("--cost-model", default=None,
-                   help="cost_model.json to also time every method's rounds with (`hf-blockpilot measure-cost`; "
-                        "default: this machine's calibration, as generate uses)")
-    p.add_argument("--reference", action="store_true",
-                   help="also time the DFlash authors' loop (dflash_generate) beside ours at each fixed b, with the "
-                        "drafter's full-vocabulary variant on both sides (pip install --no-deps dflash==0.1.0)")
+    p.add_argument(
+        "--max-block-size",
+        type=block_size_arg,
+        default=16,
+        help="drafting width of the per-round controllers (adaptive, heuristic, ema, entropy)",
+    )
+    p.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="only plain, fixed block sizes and the policy (no per-round controllers)",
+    )
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        help="cost_model.json to also time every method's rounds with (`hf-blockpilot measure-cost`; "
+        "default: this machine's calibration, as generate uses)",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the DFlash authors' loop (dflash_generate) beside ours at each fixed b, with the "
+        "drafter's full-vocabulary variant on both sides (pip install --no-deps dflash==0.1.0)",
+    )
     p.set_defaults(func=cmd_bench)

@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="Gradio share link")
-    p.add_argument("--controller", choices=CONTROLLERS, default="default",
-                   help="how the BlockPilot side drafts and verifies (default: what generate() runs by default)")
+    p.add_argument(
+        "--controller",
+        choices=CONTROLLERS,
+        default="default",
+        help="how the BlockPilot side drafts and verifies (default: what generate() runs by default)",
+    )
     p.set_defaults(func=cmd_demo)

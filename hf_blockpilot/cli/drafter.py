@@ -64,6 +64,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         drafter.save_pretrained(args.save_to)
     return 0
 
+
 def cmd_eval_drafter(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -117,34 +118,63 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", required=True, help="run directory: data, hidden-state cache, checkpoint")
     p.add_argument("--num-prompts", type=int, default=4000, help="stdlib (code) prompts answered by the target")
     p.add_argument("--chat-prompts", type=int, default=2000, help="general chat prompts answered by the target")
-    p.add_argument("--prompts-file", nargs="+", default=None,
-                   help="more prompts for the target to answer: JSON lines with \"prompt\" and an optional unique \"id\"")
-    p.add_argument("--generation-batch-size", type=positive_int, default=64, help="prompts answered per target generate call")
+    p.add_argument(
+        "--prompts-file",
+        nargs="+",
+        default=None,
+        help='more prompts for the target to answer: JSON lines with "prompt" and an optional unique "id"',
+    )
+    p.add_argument(
+        "--generation-batch-size", type=positive_int, default=64, help="prompts answered per target generate call"
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=192)
     p.add_argument("--num-layers", type=positive_int, default=1)
-    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)")
+    p.add_argument(
+        "--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)"
+    )
     p.add_argument("--mask-token-id", type=int, default=None, help="id for draft slots (default: last embedding row)")
     p.add_argument("--warmup-steps", type=int, default=config.warmup_steps)
     p.add_argument("--block-size", type=positive_int, default=config.block_size)
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
-    p.add_argument("--refresh-draft-vocab", action="store_true",
-                   help="when resuming, rebuild the reduced vocabulary from the current data (e.g. after adding chat prompts)")
+    p.add_argument(
+        "--refresh-draft-vocab",
+        action="store_true",
+        help="when resuming, rebuild the reduced vocabulary from the current data (e.g. after adding chat prompts)",
+    )
     p.add_argument("--max-steps", type=positive_int, default=config.max_steps)
     p.add_argument("--max-minutes", type=float, default=config.max_minutes)
     p.add_argument("--learning-rate", type=float, default=config.learning_rate)
     p.add_argument("--anchors", type=positive_int, default=config.anchors_per_sequence)
-    p.add_argument("--decoding-anchors", type=fraction, default=config.decoding_anchor_fraction, metavar="FRACTION",
-                   help="share of anchors where greedy decoding with the current drafter starts its rounds "
-                        "(replayed each step over a window of twice as many positions: one more drafter forward per sequence)")
-    p.add_argument("--sequences-per-step", type=positive_int, default=config.sequences_per_step, help="sequences per optimizer step (one forward)")
-    p.add_argument("--no-hidden-cache", action="store_true",
-                   help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)")
-    p.add_argument("--validation-fraction", type=float, default=config.validation_fraction, help="sequences held out to track τ")
+    p.add_argument(
+        "--decoding-anchors",
+        type=fraction,
+        default=config.decoding_anchor_fraction,
+        metavar="FRACTION",
+        help="share of anchors where greedy decoding with the current drafter starts its rounds "
+        "(replayed each step over a window of twice as many positions: one more drafter forward per sequence)",
+    )
+    p.add_argument(
+        "--sequences-per-step",
+        type=positive_int,
+        default=config.sequences_per_step,
+        help="sequences per optimizer step (one forward)",
+    )
+    p.add_argument(
+        "--no-hidden-cache",
+        action="store_true",
+        help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)",
+    )
+    p.add_argument(
+        "--validation-fraction", type=float, default=config.validation_fraction, help="sequences held out to track τ"
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=config.seed)
     p.add_argument("--save-to", default=None, help="also save the final drafter here")
-    p.add_argument("--init-drafter", default=None,
-                   help="start a new run from this drafter (Hub id or directory): fine-tuning with a fresh optimizer")
+    p.add_argument(
+        "--init-drafter",
+        default=None,
+        help="start a new run from this drafter (Hub id or directory): fine-tuning with a fresh optimizer",
+    )
     p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("eval-drafter", help="τ by real greedy decoding on held-out prompt sets")

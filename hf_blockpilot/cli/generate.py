@@ -67,7 +67,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # stdout: the answer, then the results (or, with --json, the JSON record alone and the results on stderr)
     results_to = sys.stderr if args.json else sys.stdout
     print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=results_to)
-    rounds = [f"{d}/{a}" for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round) if w > 1]
+    rounds = [
+        f"{d}/{a}"
+        for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round)
+        if w > 1
+    ]
     print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=results_to)
     if args.json:
         result["verified_and_accepted_per_round"] = [
@@ -78,8 +82,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def compare_with_plain(
-    target: PreTrainedModel, input_ids: torch.Tensor, drafter: BlockDiffusionDrafter, controller: DraftController,
-    gen: dict, repeats: int, answer: torch.Tensor,
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController,
+    gen: dict,
+    repeats: int,
+    answer: torch.Tensor,
 ) -> dict:
     """Both sides timed alike: warmed, no streaming, `repeats` runs each taken in turn, the median kept."""
     from ..tools.evaluation import timed_generate
@@ -91,8 +100,9 @@ def compare_with_plain(
     for _ in range(repeats):
         ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
         plain.append(timed_generate(target, input_ids, **gen))
-    (out, seconds), (plain_out, plain_seconds) = (sorted(runs, key=lambda run: run[1])[len(runs) // 2]
-                                                  for runs in (ours, plain))
+    (out, seconds), (plain_out, plain_seconds) = (
+        sorted(runs, key=lambda run: run[1])[len(runs) // 2] for runs in (ours, plain)
+    )
     new_tokens = out.shape[1] - input_ids.shape[1]
     plain_tps = (plain_out.shape[1] - input_ids.shape[1]) / plain_seconds
     result = {
@@ -114,16 +124,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_lookup_arg(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="drafting width (turns the policy off); with --controller fixed, every draft is verified")
-    p.add_argument("--controller", choices=CONTROLLERS, default="default",
-                   help="default: what generate() runs with no controller (the policy under its label controller, "
-                        "guarded never to lose to plain steps); adaptive: verify the drafts worth it each round; "
-                        "fixed: every draft; heuristic / ema / entropy: the baselines of `bench`")
+    p.add_argument(
+        "--block-size",
+        type=block_size_arg,
+        default=None,
+        help="drafting width (turns the policy off); with --controller fixed, every draft is verified",
+    )
+    p.add_argument(
+        "--controller",
+        choices=CONTROLLERS,
+        default="default",
+        help="default: what generate() runs with no controller (the policy under its label controller, "
+        "guarded never to lose to plain steps); adaptive: verify the drafts worth it each round; "
+        "fixed: every draft; heuristic / ema / entropy: the baselines of `bench`",
+    )
     add_optional_policy_arg(p)
-    p.add_argument("--compare", action="store_true",
-                   help="also time plain generate the same way (warmed, unstreamed, --repeats runs each): speedup and "
-                        "identical output")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time plain generate the same way (warmed, unstreamed, --repeats runs each): speedup and "
+        "identical output",
+    )
     p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per side with --compare (median)")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")

@@ -20,6 +20,7 @@ from ._common import (
 
 _FRESH_PROMPT_POOL = 12_000  # candidates drawn per generator before a drafter's training prompts are left out
 
+
 def cmd_collect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -29,14 +30,18 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from ..training.oracle import collect_oracle_labels
 
     if args.adaptive and not args.cost_model:
-        raise ValueError("--adaptive weighs each round's verify budget by the measured cost model: drop --no-cost-model")
+        raise ValueError(
+            "--adaptive weighs each round's verify budget by the measured cost model: drop --no-cost-model"
+        )
     target, tokenizer, drafter = load_models(args)
     prompts = []
     for name in args.dataset:  # --num-prompts of each
         if name in ("stdlib", "chat"):  # fresh prompts: a drafter's τ on its own training data is inflated
             make = stdlib_training_prompts if name == "stdlib" else chat_training_prompts
-            pool = make(max(args.num_prompts, _FRESH_PROMPT_POOL) if args.exclude_responses else args.num_prompts,
-                        seed=args.seed)
+            pool = make(
+                max(args.num_prompts, _FRESH_PROMPT_POOL) if args.exclude_responses else args.num_prompts,
+                seed=args.seed,
+            )
             prompts += unseen_prompts(pool, tokenizer, args.exclude_responses, args.num_prompts)
         else:
             prompts += load_prompts(name, args.num_prompts)
@@ -52,19 +57,33 @@ def cmd_collect(args: argparse.Namespace) -> int:
             target, tokenizer, drafter, prompts[: args.verify], args.candidates, args.max_new_tokens
         )
         (Path(args.output_dir) / "replay_check.json").write_text(json.dumps(check, indent=2))
-        print(f"replay == real decoding for {check['equal']}/{check['checked']} (prompt, b) pairs; "
-              f"replay {check['speedup']:.1f}x faster than decoding once per b")
+        print(
+            f"replay == real decoding for {check['equal']}/{check['checked']} (prompt, b) pairs; "
+            f"replay {check['speedup']:.1f}x faster than decoding once per b"
+        )
         if check["equal"] != check["checked"]:
             return 1
     cost = load_cost_model(cost_path) if cost_path.exists() else None
     acceptance = load_acceptance_model(args.acceptance_model) if args.acceptance_model else None
     path = collect_oracle_labels(
-        target, tokenizer, drafter, prompts, args.output_dir, args.candidates, args.feature_layers,
-        args.max_new_tokens, shard=shard, num_shards=num_shards, temperatures=args.temperatures, cost=cost,
-        acceptance=acceptance, adaptive=args.adaptive,
+        target,
+        tokenizer,
+        drafter,
+        prompts,
+        args.output_dir,
+        args.candidates,
+        args.feature_layers,
+        args.max_new_tokens,
+        shard=shard,
+        num_shards=num_shards,
+        temperatures=args.temperatures,
+        cost=cost,
+        acceptance=acceptance,
+        adaptive=args.adaptive,
     )
     print(f"labels written to {path}")
     return 0
+
 
 def cmd_train_policy(args: argparse.Namespace) -> int:
     from dataclasses import asdict
@@ -75,8 +94,10 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
 
     labels = Path(args.labels)
     if not (labels / "manifest.json").is_file():
-        raise FileNotFoundError(f"no labels in {labels} (no manifest.json): collect them first with "
-                                f"`hf-blockpilot collect --output-dir {labels}`")
+        raise FileNotFoundError(
+            f"no labels in {labels} (no manifest.json): collect them first with "
+            f"`hf-blockpilot collect --output-dir {labels}`"
+        )
     manifest = json.loads((labels / "manifest.json").read_text())
     cost_path = Path(args.cost_model) if args.cost_model else labels / "cost_model.json"
     cost = load_cost_model(cost_path) if args.cost_model or cost_path.exists() else None
@@ -84,8 +105,10 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     records = read_oracle_labels(labels)
     missing_costs = sorted(set(args.candidates or manifest["candidates"]) - set(cost.target_ms)) if cost else []
     if missing_costs:
-        raise SystemExit(f"the cost model {cost_path} has no latency for block sizes {missing_costs}; measure them "
-                         "with `hf-blockpilot measure-cost --candidates ...` or pass --candidates without them")
+        raise SystemExit(
+            f"the cost model {cost_path} has no latency for block sizes {missing_costs}; measure them "
+            "with `hf-blockpilot measure-cost --candidates ...` or pass --candidates without them"
+        )
     config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed)
     candidates = args.candidates or manifest["candidates"]
     missing = sorted(set(candidates) - set(manifest["candidates"]))
@@ -93,12 +116,21 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         raise SystemExit(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
     acceptance = load_acceptance_model(args.acceptance_model) if args.acceptance_model else None
     policy, report = train_policy(
-        records, candidates, manifest["feature_layers"], target, drafter, config, cost,
-        prompt_lookup=manifest.get("prompt_lookup", False), acceptance=acceptance,
+        records,
+        candidates,
+        manifest["feature_layers"],
+        target,
+        drafter,
+        config,
+        cost,
+        prompt_lookup=manifest.get("prompt_lookup", False),
+        acceptance=acceptance,
     )
     policy.save_pretrained(args.output)
     if policy.acceptance_model is not None:
-        (Path(args.output) / "acceptance_model.json").write_text(json.dumps(policy.acceptance_model.to_dict(), indent=2))
+        (Path(args.output) / "acceptance_model.json").write_text(
+            json.dumps(policy.acceptance_model.to_dict(), indent=2)
+        )
     policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
     (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
@@ -108,9 +140,13 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         comparison = compare_objectives(records, candidates, cost)
         (Path(args.output) / "objectives.json").write_text(json.dumps(comparison, indent=2))
         for name, row in comparison.items():
-            print(f"labels by {name}: best fixed b={row['best_fixed_b']}, oracle {row['oracle_tokens_per_second']:.1f} "
-                  f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), oracle b counts {row['oracle_counts']}")
+            print(
+                f"labels by {name}: best fixed b={row['best_fixed_b']}, oracle {row['oracle_tokens_per_second']:.1f} "
+                f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), "
+                f"oracle b counts {row['oracle_counts']}"
+            )
     return 0
+
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..device_calibration import calibration_path, load_or_calibrate
@@ -118,11 +154,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target, _, drafter = load_models(args)
     calibration = load_or_calibrate(target, drafter, args.max_width, force=args.force)
     fingerprint = calibration.fingerprint
-    print(f"device: {fingerprint['name']} ({' '.join(fingerprint['flags']) or 'no listed matmul flags'}), "
-          f"{fingerprint['dtype']}, {fingerprint['threads']} threads, torch {fingerprint['torch']}")
+    print(
+        f"device: {fingerprint['name']} ({' '.join(fingerprint['flags']) or 'no listed matmul flags'}), "
+        f"{fingerprint['dtype']}, {fingerprint['threads']} threads, torch {fingerprint['torch']}"
+    )
     print(calibration.table())
     kernels = calibration.cost_model.kernel_rows
-    print(f"CPU verify kernels: {'on for ' + str(kernels) + ' tokens' if kernels else 'off (stock is as fast or faster)'}")
+    print(
+        f"CPU verify kernels: {'on for ' + str(kernels) + ' tokens' if kernels else 'off (stock is as fast or faster)'}"
+    )
     how = "read from the cache" if calibration.from_cache else f"measured in {calibration.seconds:.1f} s"
     print(f"{how}: {calibration_path(fingerprint)}")
     return 0
@@ -139,8 +179,10 @@ def cmd_measure_cost(args: argparse.Namespace) -> int:
     print(calibration.table())
     plain = cost.round_ms(1)
     for b in sizes:
-        print(f"b={b}: round {cost.round_ms(b):.2f} ms = {cost.round_ms(b) / plain:.2f} plain steps "
-              f"(at T>0: {cost.round_ms(b, 1.0):.2f} ms)")
+        print(
+            f"b={b}: round {cost.round_ms(b):.2f} ms = {cost.round_ms(b) / plain:.2f} plain steps "
+            f"(at T>0: {cost.round_ms(b, 1.0):.2f} ms)"
+        )
     print(f"cost model written to {args.output}")
     return 0
 
@@ -160,18 +202,28 @@ def cmd_evaluate_policy(args: argparse.Namespace) -> int:
     output = {}
     for name in args.datasets:
         results = decode_methods(
-            target, tokenizer, drafter, load_prompts(name, args.limit), block_sizes, policy,
-            args.max_new_tokens, args.repeats,
+            target,
+            tokenizer,
+            drafter,
+            load_prompts(name, args.limit),
+            block_sizes,
+            policy,
+            args.max_new_tokens,
+            args.repeats,
         )
         summary = summarize_methods(results)
         output[name] = {"summary": summary, "results": [asdict(r) for r in results]}
         print(f"\n{name}\n| method | tokens/s | speedup | τ | mismatches |\n|---|---|---|---|---|")
         for method, row in summary.items():
-            print(f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f} | {row['tau']:.2f} | {row['mismatches']} |")
+            print(
+                f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f} | {row['tau']:.2f} "
+                f"| {row['mismatches']} |"
+            )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(output, f, indent=2)
     return 0
+
 
 def cmd_import_policy(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -183,13 +235,19 @@ def cmd_import_policy(args: argparse.Namespace) -> int:
     predictor = read_authors_predictor(args.checkpoint)  # a missing or malformed file fails before the models load
     target, _, drafter = load_models(args)
     policy = import_authors_policy(
-        predictor, target, drafter, args.candidates,
-        target_name=args.target or target.name_or_path, drafter_name=args.drafter or drafter.name_or_path,
+        predictor,
+        target,
+        drafter,
+        args.candidates,
+        target_name=args.target or target.name_or_path,
+        drafter_name=args.drafter or drafter.name_or_path,
     )
     policy.save_pretrained(args.output)
     policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
-    print(f"policy over block sizes {policy.candidates} ({sum(p.numel() for p in policy.parameters())} parameters, "
-          f"{args.checkpoint} -> {args.output}); use it with --policy {args.output}")
+    print(
+        f"policy over block sizes {policy.candidates} ({sum(p.numel() for p in policy.parameters())} parameters, "
+        f"{args.checkpoint} -> {args.output}); use it with --policy {args.output}"
+    )
     return 0
 
 
@@ -202,49 +260,90 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_lookup_arg(p)
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--dataset", nargs="+", default=["stdlib"],
-                   help="stdlib / chat (training-prompt generators) and/or evaluation set names")
+    p.add_argument(
+        "--dataset",
+        nargs="+",
+        default=["stdlib"],
+        help="stdlib / chat (training-prompt generators) and/or evaluation set names",
+    )
     p.add_argument("--num-prompts", type=positive_int, default=200, help="prompts per dataset")
-    p.add_argument("--exclude-responses", default=None,
-                   help="a drafter's responses.jsonl: its prompts are left out of stdlib/chat")
+    p.add_argument(
+        "--exclude-responses", default=None, help="a drafter's responses.jsonl: its prompts are left out of stdlib/chat"
+    )
     p.add_argument("--candidates", type=positive_int, nargs="+", action=SortedDistinct, default=[1, 4, 8, 12, 16, 20])
-    p.add_argument("--feature-layers", type=int, nargs="+", default=None,
-                   help="target layers the policy reads (default: the middle and second-to-last: 14 28 on a 30-layer target)")
+    p.add_argument(
+        "--feature-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="target layers the policy reads (default: the middle and second-to-last: 14 28 on a 30-layer target)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperatures", type=non_negative_float, nargs="+", default=[0.0, 1.0],
-                   help="label each prompt at these sampling temperatures (0 = greedy; T>0: expected acceptance)")
+    p.add_argument(
+        "--temperatures",
+        type=non_negative_float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="label each prompt at these sampling temperatures (0 = greedy; T>0: expected acceptance)",
+    )
     p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="skip timing the cost model")
-    p.add_argument("--verify", type=int, default=0, metavar="N",
-                   help="first check replay == real decoding on N prompts (and time both)")
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first check replay == real decoding on N prompts (and time both)",
+    )
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--num-shards", type=positive_int, default=1)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--adaptive", action="store_true",
-                   help="label decoding under the per-round controller (AdaptiveVerify): the best drafting width "
-                        "*with* it; needs the cost model")
-    p.add_argument("--acceptance-model", default=None,
-                   help="with --adaptive: the controller's acceptance model (acceptance_model.json or a policy "
-                        "directory from a first `train-policy`); default: the training-free entropy bound")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="label decoding under the per-round controller (AdaptiveVerify): the best drafting width "
+        "*with* it; needs the cost model",
+    )
+    p.add_argument(
+        "--acceptance-model",
+        default=None,
+        help="with --adaptive: the controller's acceptance model (acceptance_model.json or a policy "
+        "directory from a first `train-policy`); default: the training-free entropy bound",
+    )
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("train-policy", help="train a BlockPilot policy on collected labels")
     add_model_args(p)
     p.add_argument("--labels", required=True, help="a `collect` output directory")
     p.add_argument("--output", required=True, help="directory for the policy checkpoint")
-    p.add_argument("--candidates", type=positive_int, nargs="+", action=SortedDistinct, default=None, help="a subset of the collected block sizes")
+    p.add_argument(
+        "--candidates",
+        type=positive_int,
+        nargs="+",
+        action=SortedDistinct,
+        default=None,
+        help="a subset of the collected block sizes",
+    )
     p.add_argument("--loss", choices=["regret", "ce"], default=training.loss)
     p.add_argument("--objective", choices=["throughput", "acceptance"], default=training.objective)
-    p.add_argument("--cost-model", default=None,
-                   help="a cost_model.json measured on the device you serve on (`hf-blockpilot measure-cost`); "
-                        "default: the one `collect` measured in --labels")
-    p.add_argument("--acceptance-model", default=None,
-                   help="store this acceptance model (acceptance_model.json or a policy directory) in the policy; "
-                        "default: fitted on the rounds recorded in --labels")
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        help="a cost_model.json measured on the device you serve on (`hf-blockpilot measure-cost`); "
+        "default: the one `collect` measured in --labels",
+    )
+    p.add_argument(
+        "--acceptance-model",
+        default=None,
+        help="store this acceptance model (acceptance_model.json or a policy directory) in the policy; "
+        "default: fitted on the rounds recorded in --labels",
+    )
     p.add_argument("--seed", type=int, default=training.seed)
     p.set_defaults(func=cmd_train_policy)
 
-    p = sub.add_parser("calibrate", help="time this machine's costs for the pair (cached; generate does it on first "
-                                         "use) and print the table")
+    p = sub.add_parser(
+        "calibrate",
+        help="time this machine's costs for the pair (cached; generate does it on first use) and print the table",
+    )
     add_model_args(p)
     p.add_argument("--max-width", type=block_size_arg, default=16, help="the widest block to time")
     p.add_argument("--force", action="store_true", help="re-measure even if a calibration is cached")
@@ -253,28 +352,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measure-cost", help="time verify rounds per block size on this device (a policy's cost model)")
     add_model_args(p)
     p.add_argument("--output", required=True, help="where to write cost_model.json")
-    p.add_argument("--candidates", type=positive_int, nargs="+", action=SortedDistinct, default=[1, 2, 4, 8, 12, 16, 20])
+    p.add_argument(
+        "--candidates", type=positive_int, nargs="+", action=SortedDistinct, default=[1, 2, 4, 8, 12, 16, 20]
+    )
     p.add_argument("--context-tokens", type=positive_int, default=256)
-    p.add_argument("--repeats", type=positive_int, default=20, help="timed calls per block size (median; raise on noisy hosts)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=20, help="timed calls per block size (median; raise on noisy hosts)"
+    )
     p.set_defaults(func=cmd_measure_cost)
 
     p = sub.add_parser("evaluate-policy", help="real decoding with the policy vs each fixed b and the oracle")
     add_model_args(p)
     add_lookup_arg(p)
-    p.add_argument("--policy", required=True,
-                   help="policy Hub id or directory; 'default': the embedded one (embedded pair only)")
+    p.add_argument(
+        "--policy", required=True, help="policy Hub id or directory; 'default': the embedded one (embedded pair only)"
+    )
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--block-sizes", type=block_size_arg, nargs="+", action=SortedDistinct, default=None, help="default: the policy's candidates")
+    p.add_argument(
+        "--block-sizes",
+        type=block_size_arg,
+        nargs="+",
+        action=SortedDistinct,
+        default=None,
+        help="default: the policy's candidates",
+    )
     p.add_argument("--limit", type=positive_int, default=None)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument("--output", default=None)
     p.set_defaults(func=cmd_evaluate_policy)
 
-    p = sub.add_parser("import-policy", help="convert the BlockPilot authors' predictor (model.pt) into a policy checkpoint")
+    p = sub.add_parser(
+        "import-policy", help="convert the BlockPilot authors' predictor (model.pt) into a policy checkpoint"
+    )
     add_model_args(p)
     p.add_argument("checkpoint", help="the authors' MLP state dict (AMAP-ML/BlockPilot utils/model.pt layout)")
     p.add_argument("--output", required=True, help="directory for the policy checkpoint (Hub format)")
-    p.add_argument("--candidates", type=positive_int, nargs="+", default=[14, 15, 16, 17, 18],
-                   help="the block size of each output class, in class order (theirs: 14..18)")
+    p.add_argument(
+        "--candidates",
+        type=positive_int,
+        nargs="+",
+        default=[14, 15, 16, 17, 18],
+        help="the block size of each output class, in class order (theirs: 14..18)",
+    )
     p.set_defaults(func=cmd_import_policy)

@@ -156,7 +156,7 @@ def read_prompt_file(path: str | Path) -> list[PromptRecord]:
     ids: set[str] = set()
     for number, row in enumerate(_read_jsonl(path), start=1):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path}: record {number} has no \"prompt\" string")
+            raise ValueError(f'{path}: record {number} has no "prompt" string')
         record = PromptRecord(id=str(row.get("id", f"{name}/{number}")), dataset=name, prompt=row["prompt"])
         if record.id in ids:
             raise ValueError(f"{path}: id {record.id!r} appears twice; ids must be unique")

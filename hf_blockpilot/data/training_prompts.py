@@ -272,9 +272,19 @@ _TOPICS: tuple[str, ...] = tuple(
 _TOPICS = tuple(t.strip() for t in _TOPICS if t.strip())
 
 _PEOPLE: tuple[str, ...] = (
-    "a pirate captain", "a medieval knight", "a travel guide in Rome", "a friendly robot", "a detective",
-    "a chef in a busy restaurant", "an astronaut on the space station", "a museum curator", "a football coach",
-    "a wise old librarian", "a startup founder", "a park ranger", "a nervous student before an exam",
+    "a pirate captain",
+    "a medieval knight",
+    "a travel guide in Rome",
+    "a friendly robot",
+    "a detective",
+    "a chef in a busy restaurant",
+    "an astronaut on the space station",
+    "a museum curator",
+    "a football coach",
+    "a wise old librarian",
+    "a startup founder",
+    "a park ranger",
+    "a nervous student before an exam",
 )
 
 _CHAT_TEMPLATES: dict[str, tuple[str, ...]] = {

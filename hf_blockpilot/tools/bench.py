@@ -68,33 +68,61 @@ def run_benchmark(
     (`tools.reference_peer`; needs `pip install --no-deps dflash==0.1.0`). `cost_model`: also time every
     method's rounds on the device's cost model (noise-free, decision overhead excluded) and, per fixed b at T = 0,
     the per-round verify oracle: how fast any per-round verify budget at that width could be."""
-    report: dict = {"machine": machine_info(target), "settings": {
-        "datasets": list(datasets), "block_sizes": list(block_sizes), "temperatures": list(temperatures),
-        "limit": limit, "max_new_tokens": max_new_tokens, "repeats": repeats, "policy": policy is not None,
-        "prompt_lookup": drafter.prompt_lookup,
-        "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
-        "cost_model": cost_model.to_dict() if cost_model is not None else None,
-        "cost_model_source": cost_model.source if cost_model is not None else None,
-    }, "runs": [], "reference": []}
+    report: dict = {
+        "machine": machine_info(target),
+        "settings": {
+            "datasets": list(datasets),
+            "block_sizes": list(block_sizes),
+            "temperatures": list(temperatures),
+            "limit": limit,
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "policy": policy is not None,
+            "prompt_lookup": drafter.prompt_lookup,
+            "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
+            "cost_model": cost_model.to_dict() if cost_model is not None else None,
+            "cost_model_source": cost_model.source if cost_model is not None else None,
+        },
+        "runs": [],
+        "reference": [],
+    }
     peer = ReferencePeer(drafter) if reference else None  # a missing package fails before any decoding
     for temperature in temperatures:
         for name in datasets:
             torch.manual_seed(0)
             results = decode_methods(
-                target, tokenizer, drafter, load_prompts(name, limit), block_sizes, policy, max_new_tokens, repeats,
-                temperature, controllers, cost_model,
+                target,
+                tokenizer,
+                drafter,
+                load_prompts(name, limit),
+                block_sizes,
+                policy,
+                max_new_tokens,
+                repeats,
+                temperature,
+                controllers,
+                cost_model,
             )
-            report["runs"].append({
-                "dataset": name,
-                "temperature": temperature,
-                "summary": summarize_methods(results),
-                "results": [asdict(r) for r in results],
-            })
+            report["runs"].append(
+                {
+                    "dataset": name,
+                    "temperature": temperature,
+                    "summary": summarize_methods(results),
+                    "results": [asdict(r) for r in results],
+                }
+            )
             if peer is not None:
-                peers = peer.compare(target, tokenizer, load_prompts(name, limit), block_sizes, max_new_tokens,
-                                     temperature, repeats)
-                report["reference"].append({"dataset": name, "temperature": temperature,
-                                            "summary": summarize_peers(peers), "results": [asdict(r) for r in peers]})
+                peers = peer.compare(
+                    target, tokenizer, load_prompts(name, limit), block_sizes, max_new_tokens, temperature, repeats
+                )
+                report["reference"].append(
+                    {
+                        "dataset": name,
+                        "temperature": temperature,
+                        "summary": summarize_peers(peers),
+                        "results": [asdict(r) for r in peers],
+                    }
+                )
     if output_dir is not None:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -108,34 +136,50 @@ def markdown_report(report: dict) -> str:
     """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead; with a
     cost model, the modeled speedup and (fixed b, T = 0) the per-round verify oracle's."""
     machine = report["machine"]
-    lines = [f"Machine: {machine.get('device_name', machine['cpu'])} ({' '.join(machine.get('device_flags', []))}), "
-             f"{machine['cpu_threads']} threads, device {machine['device']}, dtype {machine.get('dtype', '?')}, "
-             f"torch {machine['torch']}, transformers {machine['transformers']}; costs: "
-             f"{report['settings'].get('cost_model_source') or 'none'}."
-             + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""), ""]
+    lines = [
+        f"Machine: {machine.get('device_name', machine['cpu'])} ({' '.join(machine.get('device_flags', []))}), "
+        f"{machine['cpu_threads']} threads, device {machine['device']}, dtype {machine.get('dtype', '?')}, "
+        f"torch {machine['torch']}, transformers {machine['transformers']}; costs: "
+        f"{report['settings'].get('cost_model_source') or 'none'}."
+        + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""),
+        "",
+    ]
     for run in report["runs"]:
         modeled = any("modeled_speedup" in row for row in run["summary"].values())
         extra = " modeled speedup | per-round oracle, modeled |" if modeled else ""
-        lines += [f"### {run['dataset']}, T={run['temperature']:g}", "",
-                  "| method | tokens/s | speedup | τ | drafts verified / round | greedy mismatches | policy overhead "
-                  "| per-round decision overhead |" + extra,
-                  "|---|---|---|---|---|---|---|---|" + ("---|---|" if modeled else "")]
+        lines += [
+            f"### {run['dataset']}, T={run['temperature']:g}",
+            "",
+            "| method | tokens/s | speedup | τ | drafts verified / round | greedy mismatches | policy overhead "
+            "| per-round decision overhead |" + extra,
+            "|---|---|---|---|---|---|---|---|" + ("---|---|" if modeled else ""),
+        ]
         for method, row in run["summary"].items():
             mismatches = row["mismatches"] if run["temperature"] == 0 else "n/a"
-            line = (f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
-                    f"{row.get('verified_per_round', 0.0):.2f} | {mismatches} | {100 * row['policy_overhead']:.2f}% | "
-                    f"{100 * row.get('controller_overhead', 0.0):.2f}% |")
+            line = (
+                f"| {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
+                f"{row.get('verified_per_round', 0.0):.2f} | {mismatches} | {100 * row['policy_overhead']:.2f}% | "
+                f"{100 * row.get('controller_overhead', 0.0):.2f}% |"
+            )
             if modeled:
                 line += f" {_ratio(row.get('modeled_speedup'))} | {_ratio(row.get('round_oracle_speedup'))} |"
             lines.append(line)
         lines.append("")
         if modeled:
-            lines += ["Modeled: the same rounds timed by the cost model in the settings (no host noise, decision "
-                      "overhead excluded). Per-round oracle: each round of that fixed b verifying only the drafts the "
-                      "target accepted, the bound on any per-round verify budget at that width.", ""]
+            lines += [
+                "Modeled: the same rounds timed by the cost model in the settings (no host noise, decision "
+                "overhead excluded). Per-round oracle: each round of that fixed b verifying only the drafts the "
+                "target accepted, the bound on any per-round verify budget at that width.",
+                "",
+            ]
     for run in report.get("reference", []):
-        lines += [f"### {run['dataset']}, T={run['temperature']:g}: ours vs the reference loop (`dflash_generate`), "
-                  "the drafter's full-vocabulary variant on both sides", "", peer_markdown(run["summary"]), ""]
+        lines += [
+            f"### {run['dataset']}, T={run['temperature']:g}: ours vs the reference loop (`dflash_generate`), "
+            "the drafter's full-vocabulary variant on both sides",
+            "",
+            peer_markdown(run["summary"]),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -157,7 +201,12 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
     width = 0.8 / max(len(runs), 1)
     for i, run in enumerate(runs):
         values = [run["summary"].get(m, {}).get("speedup", 0.0) for m in methods]
-        ax.bar([x + i * width for x in range(len(methods))], values, width, label=f"{run['dataset']} T={run['temperature']:g}")
+        ax.bar(
+            [x + i * width for x in range(len(methods))],
+            values,
+            width,
+            label=f"{run['dataset']} T={run['temperature']:g}",
+        )
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(methods))], methods, rotation=30)
     ax.set_ylabel("speedup over plain generate")

@@ -26,13 +26,17 @@ def drafter_model_card(
     """The Hub model card of a drafter: architecture, measured τ per block size, recipe, reproduction."""
     block_sizes = sorted({b for r in reports for b in r.block_sizes})
     card_data = ModelCardData(
-        library_name="hf-blockpilot", license=license, base_model=target_name,
+        library_name="hf-blockpilot",
+        license=license,
+        base_model=target_name,
         tags=["speculative-decoding", "dflash", "block-diffusion"],
     )
     draft_vocab = (
         f"{drafter.d2t.numel()} target ids (`d2t` map; -inf elsewhere). The DFlash reference loader (`dflash` "
         "package) drops `d2t` and drafts over the full vocabulary: there this is a different drafter; load it "
-        "with hf-blockpilot" if drafter.d2t is not None else "the target's full vocabulary"
+        "with hf-blockpilot"
+        if drafter.d2t is not None
+        else "the target's full vocabulary"
     )
     return ModelCard.from_template(
         card_data,

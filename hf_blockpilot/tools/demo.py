@@ -1,6 +1,6 @@
 """Gradio demo: plain `generate` and BlockPilot side by side, streamed, with each verify round highlighted.
 
-    hf-blockpilot demo [--target ID] [--drafter ID] [--policy ID] [--share]
+hf-blockpilot demo [--target ID] [--drafter ID] [--policy ID] [--share]
 """
 
 from __future__ import annotations
@@ -125,8 +125,12 @@ def _compare_stream(
     cancelled: threading.Event,
 ) -> Iterator[tuple[str, str, str, dict]]:
     input_ids = chat_inputs(tokenizer, prompt, target.device)
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
-               stopping_criteria=StoppingCriteriaList([StopWhenSet(cancelled)]))
+    gen = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        attention_mask=torch.ones_like(input_ids),
+        stopping_criteria=StoppingCriteriaList([StopWhenSet(cancelled)]),
+    )
     plain_text, blocks, stats_md, probs = "", "", "", {}
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
@@ -143,8 +147,13 @@ def _compare_stream(
     start = time.perf_counter()
     drafter.last_stats = None
     thread = _in_thread(
-        target.generate, {}, inputs=input_ids, streamer=rounds_streamer, assistant_model=drafter,
-        draft_controller=controller, **gen,
+        target.generate,
+        {},
+        inputs=input_ids,
+        streamer=rounds_streamer,
+        assistant_model=drafter,
+        draft_controller=controller,
+        **gen,
     )
     while (tokens := rounds_streamer.rounds.get()) is not None:
         rounds.append(tokens)
@@ -160,7 +169,8 @@ def _compare_stream(
     stats_md = (
         f"**controller** {stats.controller} · **block size** {stats.block_size} · **τ** {stats.tau:.2f} · "
         f"**rounds** {stats.target_forwards} · **drafts verified / round** "
-        f"{sum(stats.drafted_per_round) / rounds_with_drafts:.1f} of {sum(w - 1 for w in stats.widths_per_round) / rounds_with_drafts:.1f} drafted · "
+        f"{sum(stats.drafted_per_round) / rounds_with_drafts:.1f} of "
+        f"{sum(w - 1 for w in stats.widths_per_round) / rounds_with_drafts:.1f} drafted · "
         f"**tokens/s** {tps:.1f} (plain {plain_tps:.1f}) · **speedup** {tps / plain_tps:.2f}×"
         + (f" · policy {1000 * stats.policy_seconds:.1f} ms" if stats.policy_probs else "")
         + f" · per-round decisions {1000 * stats.controller_seconds:.1f} ms"

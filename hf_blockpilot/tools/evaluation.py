@@ -167,8 +167,20 @@ def decode_methods(
             seconds, out, stats = runs[name][len(runs[name]) // 2]
             if name == "plain":
                 plain = out
-            results.append(method_result(record.id, name, out, input_ids.shape[1], seconds, stats, plain, temperature,
-                                         cost_model, fixed=name.startswith("b=")))
+            results.append(
+                method_result(
+                    record.id,
+                    name,
+                    out,
+                    input_ids.shape[1],
+                    seconds,
+                    stats,
+                    plain,
+                    temperature,
+                    cost_model,
+                    fixed=name.startswith("b="),
+                )
+            )
     return results
 
 
@@ -189,8 +201,11 @@ def method_result(
     new_tokens = out.shape[1] - prompt_tokens
     modeled = oracle = None
     if cost_model is not None:
-        modeled = (cost_model.modeled_decode_ms(stats, temperature) if stats else
-                   cost_model.modeled_plain_ms(new_tokens, temperature)) / 1000
+        modeled = (
+            cost_model.modeled_decode_ms(stats, temperature)
+            if stats
+            else cost_model.modeled_plain_ms(new_tokens, temperature)
+        ) / 1000
         oracle = cost_model.round_oracle_ms(stats) / 1000 if fixed and stats and temperature == 0 else None
     return MethodResult(
         prompt_id=prompt_id,
@@ -228,11 +243,15 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
 
     def fastest_per_prompt(clock: str) -> list[MethodResult]:
         """Per prompt, the fixed method (plain or a fixed b) with the most tokens per second on `clock`."""
-        return [max((r for r in fixed if r.prompt_id == p), key=lambda r: r.new_tokens / max(getattr(r, clock), 1e-9))
-                for p in dict.fromkeys(r.prompt_id for r in fixed)]
+        return [
+            max((r for r in fixed if r.prompt_id == p), key=lambda r: r.new_tokens / max(getattr(r, clock), 1e-9))
+            for p in dict.fromkeys(r.prompt_id for r in fixed)
+        ]
 
     if fixed:
-        by_method["oracle"] = [MethodResult(**{**r.__dict__, "method": "oracle"}) for r in fastest_per_prompt("seconds")]
+        by_method["oracle"] = [
+            MethodResult(**{**r.__dict__, "method": "oracle"}) for r in fastest_per_prompt("seconds")
+        ]
 
     def pooled(rows: list[MethodResult], clock: str = "seconds") -> float | None:
         times = [getattr(r, clock) for r in rows]

@@ -135,7 +135,9 @@ def checkpoint_problem(path: Path) -> str | None:
             sizes = json.loads(manifest.read_text())["sizes"]
         except (ValueError, KeyError, TypeError):
             return f"{MANIFEST} is damaged"
-        wrong = [name for name, size in sizes.items() if not (path / name).is_file() or (path / name).stat().st_size != size]
+        wrong = [
+            name for name, size in sizes.items() if not (path / name).is_file() or (path / name).stat().st_size != size
+        ]
         if wrong:
             return f"{', '.join(sorted(wrong))} changed size since the conversion (truncated?)"
     return None
@@ -159,9 +161,7 @@ def _load_gguf_model_and_tokenizer() -> tuple[Any, Any]:
 
     gguf_path = find_smollm2_gguf()
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(
-            f"Reading {GGUF_FILENAME} needs the `gguf` package. Install it with: {INSTALL_HINT}"
-        )
+        raise ModuleNotFoundError(f"Reading {GGUF_FILENAME} needs the `gguf` package. Install it with: {INSTALL_HINT}")
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     return model, tokenizer
@@ -269,8 +269,11 @@ def load_default_target(
     problem = checkpoint_problem(path)
     if problem is not None:
         if path.exists():
-            print(f"hf_blockpilot: the cached target at {path} is unusable ({problem}); converting it again",
-                  file=sys.stderr, flush=True)
+            print(
+                f"hf_blockpilot: the cached target at {path} is unusable ({problem}); converting it again",
+                file=sys.stderr,
+                flush=True,
+            )
         convert_default_target(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     model.to(device)
@@ -288,7 +291,9 @@ def checked_source(name_or_path: str | os.PathLike[str], what: str) -> str:
     if path.is_dir():
         return str(path)
     if path.exists():
-        raise NotADirectoryError(f"{what} {str(name_or_path)!r} is a file: pass the directory that holds its config.json")
+        raise NotADirectoryError(
+            f"{what} {str(name_or_path)!r} is a file: pass the directory that holds its config.json"
+        )
     try:
         validate_repo_id(str(name_or_path))
     except HFValidationError:
@@ -358,7 +363,9 @@ def resolve_drafter(
         )
     torch_dtype = _resolve_dtype(dtype)
     with _loading("drafter", str(path)):
-        drafter = BlockDiffusionDrafter.from_pretrained(str(path), **({} if torch_dtype == "auto" else {"dtype": torch_dtype}))
+        drafter = BlockDiffusionDrafter.from_pretrained(
+            str(path), **({} if torch_dtype == "auto" else {"dtype": torch_dtype})
+        )
     return drafter.to(device).eval()
 
 

@@ -45,7 +45,9 @@ def load_reference_drafter(drafter: BlockDiffusionDrafter) -> nn.Module:
     """The reference's `DFlashDraftModel` with `drafter`'s weights (saved in the z-lab layout and loaded back by
     the reference's own loader)."""
     if drafter.d2t is not None:
-        raise ValueError("the reference drops d2t and drafts over the full vocabulary: pass full_vocabulary_variant(drafter)")
+        raise ValueError(
+            "the reference drops d2t and drafts over the full vocabulary: pass full_vocabulary_variant(drafter)"
+        )
     try:
         from dflash.model import DFlashDraftModel
     except ModuleNotFoundError:
@@ -106,13 +108,14 @@ class PeerRun:
     identical_to_plain: bool | None
 
 
-
 def _stop_ids(target: PreTrainedModel) -> list[int] | None:
     eos = target.generation_config.eos_token_id
     return None if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def _timed(run: Callable[[], torch.Tensor], target: nn.Module, drafter: nn.Module) -> tuple[torch.Tensor, float, StageTimer]:
+def _timed(
+    run: Callable[[], torch.Tensor], target: nn.Module, drafter: nn.Module
+) -> tuple[torch.Tensor, float, StageTimer]:
     timer = StageTimer(drafter=drafter, target=target)
     with timer.active():
         out, seconds = timed_call(run, target)
@@ -121,8 +124,14 @@ def _timed(run: Callable[[], torch.Tensor], target: nn.Module, drafter: nn.Modul
 
 def _ours(target, drafter, input_ids, block_size, max_new_tokens, temperature) -> torch.Tensor:
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    return target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
-                           draft_controller=DraftController(block_size), max_new_tokens=max_new_tokens, **sampling)
+    return target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        assistant_model=drafter,
+        draft_controller=DraftController(block_size),
+        max_new_tokens=max_new_tokens,
+        **sampling,
+    )
 
 
 def _theirs(target, reference, input_ids, block_size, max_new_tokens, temperature) -> torch.Tensor:
@@ -131,8 +140,15 @@ def _theirs(target, reference, input_ids, block_size, max_new_tokens, temperatur
 
     with warnings.catch_warnings():  # it passes the target `past_key_values=`, which newer Transformers deprecate
         warnings.simplefilter("ignore", FutureWarning)
-        return dflash_generate(reference, target, input_ids, max_new_tokens, _stop_ids(target),
-                               temperature=temperature, block_size=block_size)
+        return dflash_generate(
+            reference,
+            target,
+            input_ids,
+            max_new_tokens,
+            _stop_ids(target),
+            temperature=temperature,
+            block_size=block_size,
+        )
 
 
 class ReferencePeer:
@@ -141,7 +157,10 @@ class ReferencePeer:
 
     def __init__(self, drafter: BlockDiffusionDrafter):
         self.ours = full_vocabulary_variant(drafter)
-        self.sides = {"hf-blockpilot": (_ours, self.ours), "dflash-reference": (_theirs, load_reference_drafter(self.ours))}
+        self.sides = {
+            "hf-blockpilot": (_ours, self.ours),
+            "dflash-reference": (_theirs, load_reference_drafter(self.ours)),
+        }
 
     @torch.inference_mode()
     def compare(
@@ -159,16 +178,23 @@ class ReferencePeer:
         (the reference has none)."""
         lookup, self.ours.prompt_lookup = self.ours.prompt_lookup, False
         try:
-            return [run for record in tqdm(prompts, desc="ours vs reference", unit="prompt")
-                    for run in self._compare_one(target, tokenizer, record, block_sizes, max_new_tokens, temperature,
-                                                 repeats)]
+            return [
+                run
+                for record in tqdm(prompts, desc="ours vs reference", unit="prompt")
+                for run in self._compare_one(
+                    target, tokenizer, record, block_sizes, max_new_tokens, temperature, repeats
+                )
+            ]
         finally:
             self.ours.prompt_lookup = lookup
 
-    def _compare_one(self, target, tokenizer, record, block_sizes, max_new_tokens, temperature, repeats) -> list[PeerRun]:
+    def _compare_one(
+        self, target, tokenizer, record, block_sizes, max_new_tokens, temperature, repeats
+    ) -> list[PeerRun]:
         input_ids = chat_inputs(tokenizer, record.prompt, target.device)
-        plain = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                                do_sample=False)[0, input_ids.shape[1]:]
+        plain = target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+        )[0, input_ids.shape[1] :]
         runs = []
         for b in block_sizes:
             for decode, model in self.sides.values():  # one-time costs (lazy CUDA set-up) are not timed
@@ -180,12 +206,21 @@ class ReferencePeer:
                     timed[name].append(_timed(run, target, model))
             for name, results in timed.items():
                 out, seconds, timer = sorted(results, key=lambda r: r[1])[len(results) // 2]
-                new = out[0, input_ids.shape[1]:]
+                new = out[0, input_ids.shape[1] :]
                 same = None if temperature > 0 else bool(torch.equal(new, plain))
-                runs.append(PeerRun(
-                    record.id, name, b, new.numel(), seconds, timer.calls["target"], timer.seconds["drafter"],
-                    timer.seconds["target"], same,
-                ))
+                runs.append(
+                    PeerRun(
+                        record.id,
+                        name,
+                        b,
+                        new.numel(),
+                        seconds,
+                        timer.calls["target"],
+                        timer.seconds["drafter"],
+                        timer.seconds["target"],
+                        same,
+                    )
+                )
         return runs
 
 
@@ -201,13 +236,18 @@ def summarize_peers(runs: Sequence[PeerRun]) -> list[dict]:
             rounds = max(sum(r.target_forwards - 1 for r in mine), 1)  # the prefill commits the first token
             drafter, verify = sum(r.drafter_seconds for r in mine), sum(r.target_seconds for r in mine)
             by_side[side] = {
-                "block_size": b, "method": side, "tokens_per_second": sum(r.new_tokens for r in mine) / max(seconds, 1e-9),
+                "block_size": b,
+                "method": side,
+                "tokens_per_second": sum(r.new_tokens for r in mine) / max(seconds, 1e-9),
                 "tau": sum(r.new_tokens - 1 for r in mine) / rounds,
-                "drafter_ms_per_round": 1000 * drafter / rounds, "target_ms_per_round": 1000 * verify / rounds,
+                "drafter_ms_per_round": 1000 * drafter / rounds,
+                "target_ms_per_round": 1000 * verify / rounds,
                 "loop_ms_per_round": 1000 * (seconds - drafter - verify) / rounds,
                 "mismatches": sum(r.identical_to_plain is False for r in mine),
             }
-        ratio = by_side["hf-blockpilot"]["tokens_per_second"] / max(by_side["dflash-reference"]["tokens_per_second"], 1e-9)
+        ratio = by_side["hf-blockpilot"]["tokens_per_second"] / max(
+            by_side["dflash-reference"]["tokens_per_second"], 1e-9
+        )
         for row in by_side.values():
             rows.append({**row, "ours_over_reference": ratio})
     return rows
@@ -215,10 +255,17 @@ def summarize_peers(runs: Sequence[PeerRun]) -> list[dict]:
 
 def peer_markdown(rows: Sequence[dict]) -> str:
     """The side-by-side table (`bench --reference`)."""
-    lines = [("| b | implementation | tokens/s | τ | drafter ms / round | target ms / round | loop ms / round "
-              "| greedy mismatches | ours / reference |"), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| b | implementation | tokens/s | τ | drafter ms / round | target ms / round | loop ms / round "
+            "| greedy mismatches | ours / reference |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['block_size']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['tau']:.2f} | "
-                     f"{r['drafter_ms_per_round']:.1f} | {r['target_ms_per_round']:.1f} | {r['loop_ms_per_round']:.1f} | "
-                     f"{r['mismatches']} | {r['ours_over_reference']:.2f}× |")
+        lines.append(
+            f"| {r['block_size']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['tau']:.2f} | "
+            f"{r['drafter_ms_per_round']:.1f} | {r['target_ms_per_round']:.1f} | {r['loop_ms_per_round']:.1f} | "
+            f"{r['mismatches']} | {r['ours_over_reference']:.2f}× |"
+        )
     return "\n".join(lines)

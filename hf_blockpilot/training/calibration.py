@@ -99,7 +99,10 @@ def fit_acceptance_model(
     while len(lookup_rate) > 1 and lookup_rate[-1] == lookup_rate[-2]:
         lookup_rate.pop()
     return AcceptanceModel(
-        bias=bias, confidence_weight=conf_w, entropy_weight=ent_w, lookup_rate=lookup_rate or [0.6],
+        bias=bias,
+        confidence_weight=conf_w,
+        entropy_weight=ent_w,
+        lookup_rate=lookup_rate or [0.6],
         rounds=int((data[:, 0] == 0).sum()),
     )
 

@@ -40,7 +40,9 @@ def generation_eos_ids(model: PreTrainedModel) -> list[int]:
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, max_length: int | None = None) -> list[int]:
     """Token ids of `prompt` as a single user turn with the generation prompt appended."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[-max_length:] if max_length else ids
 
@@ -76,7 +78,9 @@ def read_sequences(data_dir: str | Path) -> list[TrainingSequence]:
     """Sequences stored by `generate_responses` in `data_dir`."""
     path = Path(data_dir) / RESPONSES_FILE
     if not path.exists():
-        raise FileNotFoundError(f"no {RESPONSES_FILE} in {data_dir}: run `hf-blockpilot train-drafter` data generation first")
+        raise FileNotFoundError(
+            f"no {RESPONSES_FILE} in {data_dir}: run `hf-blockpilot train-drafter` data generation first"
+        )
     out = []
     with path.open() as f:
         for line in f:

@@ -302,7 +302,9 @@ class DrafterTrainer:
             slots = out.view(len(batch), n, b, -1)[:, :, 1:]
             logits = F.linear(slots, self.head_weight.to(slots.dtype), self.head_bias)
         logits = self.drafter.finish_logits(logits.float())
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), draft_labels.reshape(-1).to(device), reduction="none")
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), draft_labels.reshape(-1).to(device), reduction="none"
+        )
         weights = self.weights.to(device) * valid.to(device)
         loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
         correct = (logits.argmax(-1).cpu() == draft_labels) & valid
@@ -333,7 +335,12 @@ class DrafterTrainer:
             self.step += 1
             bar.update(1)
             if self.step % cfg.log_every == 0:
-                summary = {"step": self.step, "loss": total, "lr": self.scheduler.get_last_lr()[0], **accuracy_summary(window)}
+                summary = {
+                    "step": self.step,
+                    "loss": total,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    **accuracy_summary(window),
+                }
                 window = []
                 bar.set_postfix(loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}")
                 self._log(summary)
@@ -380,7 +387,12 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def replay_acceptance(
-        self, seq: TrainingSequence, hidden: torch.Tensor, chunk: int = 64, start: int | None = None, stop: int | None = None
+        self,
+        seq: TrainingSequence,
+        hidden: torch.Tensor,
+        chunk: int = 64,
+        start: int | None = None,
+        stop: int | None = None,
     ) -> list[int]:
         """Tokens committed per round of greedy speculative decoding along `seq`'s response at this block size.
 
@@ -446,7 +458,10 @@ class DrafterTrainer:
         if "val_tau_replay" in record:
             logger.info(
                 "step %d: held-out loss %.3f, τ %.2f (greedy decoding replayed; random-anchor estimate %.2f)",
-                record["step"], record["val_loss"], record["val_tau_replay"], record["val_tau_estimate"],
+                record["step"],
+                record["val_loss"],
+                record["val_tau_replay"],
+                record["val_tau_estimate"],
             )
 
     # ----------------------------------------------------------------------------------- checkpointing

@@ -204,8 +204,17 @@ def oracle_record(
         recorder = RoundRecorder(inner, soft=temperature > 0)
         if temperature > 0:
             tau[b], rounds[b], ms[b] = expected_sampled_stats(
-                target, drafter, out.hidden_states, out.logits, sequence, prompt_len, recorder, max_new_tokens,
-                processors, eos_ids, cost,
+                target,
+                drafter,
+                out.hidden_states,
+                out.logits,
+                sequence,
+                prompt_len,
+                recorder,
+                max_new_tokens,
+                processors,
+                eos_ids,
+                cost,
             )
         else:
             stats = replay_block_size(
@@ -280,8 +289,17 @@ def collect_oracle_labels(
     with path.open("a") as f:
         for record, temperature in tqdm(mine, desc=f"oracle labels (shard {shard})", unit="label"):
             row = oracle_record(
-                target, tokenizer, drafter, record, candidates, feature_layers, max_new_tokens, temperature, cost,
-                acceptance, adaptive,
+                target,
+                tokenizer,
+                drafter,
+                record,
+                candidates,
+                feature_layers,
+                max_new_tokens,
+                temperature,
+                cost,
+                acceptance,
+                adaptive,
             )
             f.write(json.dumps(asdict(row)) + "\n")
             f.flush()

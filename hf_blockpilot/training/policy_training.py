@@ -18,7 +18,9 @@ from .calibration import fit_acceptance_model
 from .oracle import OracleRecord
 
 
-def objective_values(record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None) -> list[float]:
+def objective_values(
+    record: OracleRecord, candidates: Sequence[int], objective: str, cost: CostModel | None
+) -> list[float]:
     """Per candidate: τ(b) (`acceptance`) or modeled tokens per second (`throughput`): from the record's
     modeled decoding times when it has them (collected with a cost model; the only way for labels collected
     under the adaptive controller, whose rounds differ in cost), else τ(b) / round latency."""
@@ -72,7 +74,9 @@ def split_by_prompt(records: Sequence[OracleRecord], fraction: float, seed: int)
     return [r for r in records if r.id not in held], [r for r in records if r.id in held]
 
 
-def evaluate_choices(values: torch.Tensor, chosen: torch.Tensor, candidates: Sequence[int], objective: str) -> PolicyReport:
+def evaluate_choices(
+    values: torch.Tensor, chosen: torch.Tensor, candidates: Sequence[int], objective: str
+) -> PolicyReport:
     """Report for choices `chosen` (indices) on prompts whose per-candidate objective is `values` (n, k)."""
     oracle = values.argmax(dim=1)
     best_fixed = int(values.mean(dim=0).argmax())
@@ -112,8 +116,10 @@ def train_policy(
 
     label_controllers = {r.controller for r in records}
     if len(label_controllers) > 1:
-        raise ValueError("these labels mix rounds verified in full (`collect`) and cut by the per-round controller "
-                         "(`collect --adaptive`): their best widths differ; train on one kind")
+        raise ValueError(
+            "these labels mix rounds verified in full (`collect`) and cut by the per-round controller "
+            "(`collect --adaptive`): their best widths differ; train on one kind"
+        )
     torch.manual_seed(config.seed)
     # train / validation (early stopping) / test (the reported metrics), split by prompt
     rest, test = split_by_prompt(records, config.validation_fraction, config.seed)
@@ -181,7 +187,9 @@ def train_policy(
     if len(set(temperatures.tolist())) > 1:
         for t in sorted(set(temperatures.tolist())):
             rows = temperatures == t
-            report.by_temperature[f"{t:g}"] = asdict(evaluate_choices(v_test[rows], chosen[rows], candidates, config.objective))
+            report.by_temperature[f"{t:g}"] = asdict(
+                evaluate_choices(v_test[rows], chosen[rows], candidates, config.objective)
+            )
     policy.report = asdict(report)
     policy._hub_mixin_config["report"] = policy.report  # saved with the config, shown on the model card
     rows = [row for r in records for row in r.slot_rows]

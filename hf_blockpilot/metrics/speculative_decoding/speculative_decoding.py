@@ -1,8 +1,9 @@
 """`evaluate` metric for lossless speculative decoding: greedy exact match, τ and speedup.
 
-    import evaluate, hf_blockpilot.metrics
-    metric = hf_blockpilot.metrics.load("speculative_decoding")   # a local module: no Hub access
-    metric.compute(predictions=fast_ids, references=plain_ids, target_forwards=[...], seconds=[...], reference_seconds=[...])
+import evaluate, hf_blockpilot.metrics
+metric = hf_blockpilot.metrics.load("speculative_decoding")   # a local module: no Hub access
+metric.compute(predictions=fast_ids, references=plain_ids, target_forwards=[...], seconds=[...],
+               reference_seconds=[...])
 """
 
 import datasets
@@ -32,7 +33,10 @@ class SpeculativeDecoding(evaluate.Metric):
             citation="",
             inputs_description=_KWARGS,
             features=datasets.Features(
-                {"predictions": datasets.Sequence(datasets.Value("int64")), "references": datasets.Sequence(datasets.Value("int64"))}
+                {
+                    "predictions": datasets.Sequence(datasets.Value("int64")),
+                    "references": datasets.Sequence(datasets.Value("int64")),
+                }
             ),
         )
 
