@@ -10,35 +10,31 @@ Importing the package registers the drafter with `AutoConfig`/`AutoModel` and ro
 `generate(assistant_model=<BlockDiffusionDrafter>)` to the block-diffusion candidate generator.
 """
 
+import importlib
+import warnings
+from typing import Any
+
 from transformers import AutoConfig, AutoModel
 
-from . import _moved
-from .candidate_generator import (
-    BlockDiffusionCandidateGenerator,
-    install_generate_routing,
-)
-from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
+from .candidate_generator import install_generate_routing
+from .configuration_block_diffusion import BlockDiffusionConfig
 from .controllers import (
     AcceptanceEMA,
     AcceptanceModel,
     AdaptiveVerify,
     BlockSizePolicy,
+    DelegatingController,
     DraftController,
     DraftedRound,
     EntropyBound,
     EntropyStop,
     HeuristicSchedule,
     PolicyBlockSize,
+    SpeculationGuard,
+    default_controller,
 )
 from .costs import CostModel
-from .cpu_kernels import (
-    cpu_verify_kernels,
-    grouped_query_attention,
-    skinny_linear,
-    skinny_linears,
-    use_cpu_verify_kernels,
-    use_skinny_linears,
-)
+from .cpu_kernels import cpu_verify_kernels
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
@@ -49,31 +45,45 @@ __version__ = "0.1.0.dev0"
 AutoConfig.register(BlockDiffusionConfig.model_type, BlockDiffusionConfig, exist_ok=True)
 AutoModel.register(BlockDiffusionConfig, BlockDiffusionDrafter, exist_ok=True)
 install_generate_routing()
-_moved.install()
 
 __all__ = [
     "AcceptanceEMA",
     "AcceptanceModel",
     "AdaptiveVerify",
+    "BlockDiffusionConfig",
+    "BlockDiffusionDrafter",
+    "BlockPilotPolicy",
     "BlockSizePolicy",
     "CostModel",
+    "DelegatingController",
     "DraftController",
     "DraftedRound",
     "EntropyBound",
     "EntropyStop",
     "HeuristicSchedule",
-    "PolicyBlockSize",
-    "BlockDiffusionCandidateGenerator",
-    "BlockDiffusionConfig",
-    "BlockDiffusionDrafter",
-    "BlockPilotPolicy",
     "NgramLookup",
+    "PolicyBlockSize",
+    "SpeculationGuard",
     "SpeculationStats",
-    "build_target_layer_ids",
     "cpu_verify_kernels",
-    "grouped_query_attention",
-    "skinny_linear",
-    "skinny_linears",
-    "use_cpu_verify_kernels",
-    "use_skinny_linears",
+    "default_controller",
 ]
+
+#: Names once exported here, now imported from their modules (a DeprecationWarning says where).
+_MOVED_NAMES = {
+    "BlockDiffusionCandidateGenerator": "hf_blockpilot.candidate_generator",
+    "build_target_layer_ids": "hf_blockpilot.configuration_block_diffusion",
+    "grouped_query_attention": "hf_blockpilot.cpu_kernels",
+    "skinny_linear": "hf_blockpilot.cpu_kernels",
+    "skinny_linears": "hf_blockpilot.cpu_kernels",
+    "use_cpu_verify_kernels": "hf_blockpilot.cpu_kernels",
+    "use_skinny_linears": "hf_blockpilot.cpu_kernels",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_NAMES:
+        module = _MOVED_NAMES[name]
+        warnings.warn(f"hf_blockpilot.{name} is deprecated: import it from {module}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'hf_blockpilot' has no attribute {name!r}")

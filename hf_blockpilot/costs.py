@@ -65,7 +65,7 @@ class CostModel:
         """Expected committed tokens per ms of a round drafting `width` slots, at the best verify count, when
         each draft is accepted with probability `acceptance` given the ones before it (width 1: a plain step)."""
         committed = [1.0 + sum(acceptance**i for i in range(1, k + 1)) for k in range(width)]
-        return max(c / self.modeled_round_ms(width, k, temperature) for k, c in enumerate(committed))
+        return max(c / max(self.modeled_round_ms(width, k, temperature), 1e-9) for k, c in enumerate(committed))
 
     def modeled_decode_ms(self, stats: SpeculationStats, temperature: float = 0.0) -> float:
         """The modeled time of a whole request from its per-round statistics (the prefill counted as one

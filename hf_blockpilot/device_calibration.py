@@ -421,11 +421,12 @@ def forget_resolved() -> None:
 def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
     """The dtype `--dtype auto` decodes in: on a CPU with native bf16 matmul (AMX or AVX512-BF16), bfloat16 where
     this machine's calibration of a bfloat16 copy of the pair expects speculative decoding to run faster than
-    in float32 (`target` and `drafter` in float32); float32 on other CPUs; bfloat16 on GPUs that support it."""
+    in float32 (`target` and `drafter` in float32); float32 on other CPUs and with calibration off; bfloat16 on
+    GPUs that support it (else float16)."""
     device = next(target.parameters()).device
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type != "cpu" or not runs_bf16_natively(device):
+    if device.type != "cpu" or not runs_bf16_natively(device) or not calibration_enabled():
         return torch.float32
     widths = range(1, max(DEFAULT_WIDTHS) + 1)
 

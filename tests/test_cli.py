@@ -282,11 +282,12 @@ def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Loading weights" not in out
     lines = [line for line in out.splitlines() if line.strip()]
-    assert lines[-2].startswith("controller: adaptive(policy") and "tau:" in lines[-2]
+    # a policy of fully verified labels serves as generate() serves it by default: every draft verified, guarded
+    assert lines[-2].startswith("device: ") and "controller: guarded(policy)" in lines[-2] and "tau:" in lines[-2]
     assert lines[-1].startswith("rounds (drafts verified/accepted):")
     assert main([*args, "--json"]) == 0
     captured = capsys.readouterr()
-    assert "Loading weights" not in captured.out and "controller: adaptive" in captured.err
+    assert "Loading weights" not in captured.out and "controller: guarded(policy)" in captured.err
     record = json.loads(captured.out.strip().splitlines()[-1])
     assert len(record["verified_and_accepted_per_round"]) == record["new_tokens"] - sum(
         a for _, a in record["verified_and_accepted_per_round"]
@@ -359,3 +360,45 @@ def test_every_controller_choice_generates_without_a_policy(tmp_path, capsys, co
     out = capsys.readouterr().out
     assert code == 0
     assert f"controller: {controller}(" in out
+
+
+def test_calibrate_measures_once_then_reads_the_cache(tmp_path, capsys, monkeypatch):
+    from hf_blockpilot.device_calibration import forget_resolved
+
+    monkeypatch.setenv("HF_BLOCKPILOT_CALIBRATE", "1")
+    monkeypatch.setenv("HF_BLOCKPILOT_CACHE", str(tmp_path / "cache"))
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    args = ["calibrate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--dtype", "float32"]
+    assert main([*args, "--max-width", "4"]) == 0
+    first = capsys.readouterr().out
+    assert "stock ms" in first and "plain steps" in first and "CPU verify kernels:" in first
+    assert "measured in" in first and str(tmp_path / "cache" / "calibration") in first
+    assert main(args) == 0
+    assert "read from the cache" in capsys.readouterr().out
+    assert main([*args, "--force"]) == 0
+    assert "measured in" in capsys.readouterr().out
+    forget_resolved()
+
+
+def test_generate_reports_device_dtype_and_cost_source_and_times_both_sides_alike(tmp_path, capsys):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    args = [
+        "generate",
+        "abcabc",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--max-new-tokens",
+        "6",
+        "--no-stream",
+        "--json",
+        "--compare",
+        "--repeats",
+        "2",
+    ]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["dtype"] == "float32" and result["device"]  # calibration off in tests: auto keeps float32
+    assert result["costs"].startswith("shipped fallback") and result["controller"].startswith("guarded(")
+    assert result["timed_runs"].startswith("2 per side, no streaming") and result["identical_to_plain"] is True

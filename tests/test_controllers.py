@@ -316,20 +316,3 @@ def test_the_default_is_the_guarded_fixed_block_size_and_drafts_as_it_where_draf
     assert drafter.last_stats.drafted_per_round == guarded.drafted_per_round
     assert guarded.plain_rounds == drafter.last_stats.plain_rounds  # the last token: no room to draft
     assert guarded.controller == f"guarded(fixed(b={block_size}))"
-
-
-def test_all_controllers_importable_from_the_package():
-    import hf_blockpilot
-
-    for name in (
-        "DraftController",
-        "AdaptiveVerify",
-        "AcceptanceModel",
-        "CostModel",
-        "EntropyStop",
-        "HeuristicSchedule",
-        "AcceptanceEMA",
-        "PolicyBlockSize",
-        "EntropyBound",
-    ):
-        assert hasattr(hf_blockpilot, name), name

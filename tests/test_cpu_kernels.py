@@ -12,8 +12,9 @@ from conftest import make_drafter, make_target
 from torch import nn
 from transformers import DynamicCache
 
-from hf_blockpilot import cpu_kernels, cpu_verify_kernels, skinny_linear, skinny_linears, use_skinny_linears
+from hf_blockpilot import cpu_kernels, cpu_verify_kernels
 from hf_blockpilot._compat import cache_argument
+from hf_blockpilot.cpu_kernels import skinny_linear, skinny_linears, use_skinny_linears
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 5, 24), (3, 4, 24), (32, 24), (40, 24), (0, 24)])

@@ -8,7 +8,8 @@ from conftest import make_drafter, make_target
 from transformers import LlamaForCausalLM
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
-from hf_blockpilot import BlockDiffusionCandidateGenerator, BlockDiffusionConfig, BlockDiffusionDrafter
+from hf_blockpilot import BlockDiffusionConfig, BlockDiffusionDrafter
+from hf_blockpilot.candidate_generator import BlockDiffusionCandidateGenerator
 
 VOCAB, HIDDEN, LAYERS = 97, 64, 4
 

@@ -1,14 +1,11 @@
-"""Package layout: the core imports no tooling, and the old module paths still import (with a warning)."""
+"""Package layout: the core imports no tooling; the public API is what users need."""
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
 import pytest
-
-from hf_blockpilot._moved import MOVED
 
 
 def test_importing_the_core_loads_no_tooling():
@@ -21,22 +18,25 @@ def test_importing_the_core_loads_no_tooling():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_paths_import_with_a_deprecation_warning(old):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
+def test_the_public_api_is_what_users_need_and_moved_names_warn():
+    import hf_blockpilot
+    from hf_blockpilot import cpu_kernels
 
-
-def test_old_names_resolve_to_the_moved_objects():
-    from hf_blockpilot.data import load_prompts
-    from hf_blockpilot.tools.loading import resolve_drafter
-
-    with pytest.warns(DeprecationWarning):
-        sys.modules.pop("hf_blockpilot.datasets", None)
-        from hf_blockpilot.datasets import load_prompts as old_load_prompts
-    with pytest.warns(DeprecationWarning):
-        sys.modules.pop("hf_blockpilot.defaults", None)
-        from hf_blockpilot.defaults import resolve_drafter as old_resolve_drafter
-    assert old_load_prompts is load_prompts and old_resolve_drafter is resolve_drafter
+    exported = set(hf_blockpilot.__all__)
+    assert {
+        "BlockDiffusionDrafter",
+        "BlockDiffusionConfig",
+        "DraftController",
+        "AdaptiveVerify",
+        "SpeculationGuard",
+        "BlockPilotPolicy",
+        "CostModel",
+        "SpeculationStats",
+        "cpu_verify_kernels",
+    } <= exported
+    assert not {"skinny_linear", "use_skinny_linears", "grouped_query_attention"} & exported
+    assert all(getattr(hf_blockpilot, name) is not None for name in exported)
+    with pytest.warns(DeprecationWarning, match="hf_blockpilot.cpu_kernels"):
+        assert hf_blockpilot.skinny_linear is cpu_kernels.skinny_linear
+    with pytest.raises(AttributeError, match="no_such_name"):
+        hf_blockpilot.no_such_name  # noqa: B018

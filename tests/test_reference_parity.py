@@ -266,7 +266,7 @@ def assert_rounds_equal_the_reference(ref, ours, target, rng: random.Random, cas
     prompt = torch.randint(1, VOCAB - 1, (1, rng.randint(2, 16)), generator=torch.Generator().manual_seed(case))
     max_new = rng.randint(4, 40)
     expected = reference.dflash_generate(ref, target, prompt, max_new, stop_token_ids=None, return_stats=True)
-    got = greedy_generate(target, prompt, max_new, None, assistant_model=ours)
+    got = greedy_generate(target, prompt, max_new, None, assistant_model=ours, draft_controller=ours.block_size)
     plain = greedy_generate(target, prompt, max_new, None)
     assert torch.equal(got, plain) and torch.equal(expected.output_ids, plain), case
     committed = [a + 1 for a in ours.last_stats.accepted_per_round[1:]]  # round 0 is the prefill
@@ -338,7 +338,7 @@ def test_config_fields_the_reference_reads_are_honoured(tmp_path, monkeypatch, f
     for seed in range(4):
         prompt = torch.randint(1, VOCAB - 1, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
         expected_run = reference.dflash_generate(ref, target, prompt, 24, stop_token_ids=None, return_stats=True)
-        got_run = greedy_generate(target, prompt, 24, None, assistant_model=ours)
+        got_run = greedy_generate(target, prompt, 24, None, assistant_model=ours, draft_controller=ours.block_size)
         assert torch.equal(got_run, expected_run.output_ids)
         assert [a + 1 for a in ours.last_stats.accepted_per_round[1:]] == expected_run.acceptance_lengths
 
@@ -483,7 +483,7 @@ def test_gemma_style_target_drafts_as_the_reference(tmp_path, monkeypatch, scale
     for seed in range(6):
         prompt = torch.randint(1, VOCAB - 1, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
         expected_run = reference.dflash_generate(ref, target, prompt, 24, stop_token_ids=None, return_stats=True)
-        got_run = greedy_generate(target, prompt, 24, None, assistant_model=ours)
+        got_run = greedy_generate(target, prompt, 24, None, assistant_model=ours, draft_controller=ours.block_size)
         assert torch.equal(got_run, expected_run.output_ids)
         assert torch.equal(got_run, greedy_generate(target, prompt, 24, None))
         committed = [a + 1 for a in ours.last_stats.accepted_per_round[1:]]

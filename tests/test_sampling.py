@@ -305,3 +305,35 @@ def test_chi_square_rejects_truncation_that_peeks_at_the_drafts(target, monkeypa
     stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
     print(f"peeking: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
     assert stat > chi2_critical(df), f"peeking generator passed: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_sampling_exact_when_the_guard_pauses_after_a_losing_round(target):
+    """The guard decides the next round's width from the last round's outcome (a rejected round pauses
+    drafting, so the third token's mechanism depends on the second's acceptance): still the target's law."""
+    from hf_blockpilot import CostModel, SpeculationGuard
+
+    drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
+    # a round committing one token loses to a plain step (12 ms for 1 token vs 10 ms), two or more win
+    costs = CostModel(target_ms={1: 10.0, 4: 10.0}, drafter_ms={2: 2.0, 4: 2.0})
+    guard = SpeculationGuard(DraftController(4), probe_rounds=1, decay=0.0, first_pause=1)
+    guard.use_cost_model(costs)
+    paused = []
+    for seed in range(40):
+        torch.manual_seed(seed)
+        target.generate(
+            PROMPT,
+            assistant_model=drafter,
+            do_sample=True,
+            max_new_tokens=MAX_NEW_TOKENS,
+            pad_token_id=0,
+            draft_controller=guard,
+        )
+        paused.append(drafter.last_stats.plain_rounds > 0)
+    assert 0 < sum(paused) < len(paused), "the guard never (or always) paused: the test would not exercise it"
+    counts, drafted, accepted, _ = draw(
+        target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None, draft_controller=guard
+    )
+    assert accepted > 0.1 * NUM_SAMPLES
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
+    assert df >= 10
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"

@@ -358,7 +358,12 @@ def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
     for prompt, response, seq in zip(prompts, responses, seqs):
         replay = trainer.replay_acceptance(seq, trainer.hidden_states([seq])[0], chunk=5)
         out = target.generate(
-            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            assistant_model=drafter,
+            max_new_tokens=30,
+            do_sample=False,
+            draft_controller=drafter.block_size,  # every draft verified, as the replay
         )
         assert torch.equal(out, response)
         real = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]  # per target forward after the prefill
@@ -374,7 +379,12 @@ def test_decoding_anchors_are_where_real_rounds_start_and_are_trained_on(tmp_pat
     for prompt, seq in zip(prompts, seqs):
         decoding = trainer.decoding_anchors(seq, trainer.hidden_states([seq])[0])
         target.generate(
-            prompt, attention_mask=torch.ones_like(prompt), assistant_model=drafter, max_new_tokens=30, do_sample=False
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            assistant_model=drafter,
+            max_new_tokens=30,
+            do_sample=False,
+            draft_controller=drafter.block_size,  # every draft verified, as the replay
         )
         committed = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]
         real = [6 + sum(committed[:i]) for i in range(len(committed))]  # each round anchors at its last token

@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
-from hf_blockpilot import BlockDiffusionConfig, BlockDiffusionDrafter, build_target_layer_ids
+from hf_blockpilot import BlockDiffusionConfig, BlockDiffusionDrafter
+from hf_blockpilot.configuration_block_diffusion import build_target_layer_ids
 
 VOCAB, HIDDEN, INTERMEDIATE, TARGET_LAYERS = 97, 64, 128, 4  # conftest's default tiny target
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
