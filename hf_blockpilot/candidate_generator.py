@@ -17,20 +17,29 @@ Round by round, inside Transformers' own assisted-decoding loop:
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.generation import GenerationMixin, GenerationMode
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.utils import ModelOutput
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
 from .controllers import DraftController, DraftedRound, resolve_controller
-from .cpu_kernels import skinny_linear, use_cpu_verify_kernels
+from .costs import CostModel
+from .cpu_kernels import (
+    needs_one_token_exact_attention,
+    skinny_linear,
+    use_cpu_verify_kernels,
+    use_one_token_exact_attention,
+)
 from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
@@ -362,10 +371,18 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 _stock_get_candidate_generator = GenerationMixin._get_candidate_generator
 _stock_validate_generation_mode = GenerationMixin._validate_generation_mode
 _stock_generate = GenerationMixin.generate
-# The prepared controller of the `generate` call running in this thread / task (generate runs synchronously).
-_call_controller: contextvars.ContextVar[DraftController | None] = contextvars.ContextVar(
-    "hf_blockpilot_draft_controller", default=None
-)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One `generate` call's own controller, and the statistics its generator records."""
+
+    controller: DraftController
+    stats: SpeculationStats | None = None
+
+
+# The `generate` call running in this thread / task (generate runs synchronously).
+_current_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_blockpilot_call", default=None)
 
 
 def prepare_controller(
@@ -390,16 +407,35 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
                 "pass it with assistant_model=<BlockDiffusionDrafter>"
             )
         return _stock_generate(self, *args, **kwargs)
-    controller = prepare_controller(self, drafter, draft_controller)  # bad input fails before any forward
-    rows = controller.cost_model.kernel_rows  # where this machine's calibration measured the CPU kernels faster
-    undo_kernels = use_cpu_verify_kernels(self, rows=rows) if rows else None
-    token = _call_controller.set(controller)
+    call = _Call(prepare_controller(self, drafter, draft_controller))  # bad input fails before any forward
+    undo_kernels = _use_verify_kernels(self, call.controller.cost_model, kwargs.get("attention_mask"))
+    token = _current_call.set(call)
     try:
-        return _stock_generate(self, *args, **kwargs)
+        output = _stock_generate(self, *args, **kwargs)
     finally:
-        _call_controller.reset(token)
+        _current_call.reset(token)
         if undo_kernels is not None:
             undo_kernels()
+    if isinstance(output, ModelOutput):  # return_dict_in_generate=True: this call's statistics travel with it
+        output.speculation_stats = call.stats
+    return output
+
+
+def _use_verify_kernels(
+    target: PreTrainedModel, cost_model: CostModel, attention_mask: torch.Tensor | None
+) -> Callable[[], None] | None:
+    """Switch the target's verify forwards to the kernels this call uses; returns what switches them back.
+
+    The CPU verify kernels where this machine's calibration measured them faster (`kernel_rows`, float32);
+    else, for a half-precision target on CPU and an unpadded prompt, `one_token_exact_attention`, so that
+    greedy output equals plain decoding bit for bit.
+    """
+    if cost_model.kernel_rows:
+        return use_cpu_verify_kernels(target, rows=cost_model.kernel_rows)
+    unpadded = attention_mask is None or bool(attention_mask.all())  # once per call
+    if needs_one_token_exact_attention(target) and unpadded:
+        return use_one_token_exact_attention(target)
+    return None
 
 
 def _validate_generation_mode(
@@ -438,16 +474,20 @@ def _get_candidate_generator(
                 f"come pre-cached ({cache.get_seq_length()} tokens in the cache passed to generate): pass the full "
                 "prompt without `cache` / `past_key_values`."
             )
-        return BlockDiffusionCandidateGenerator(
+        call = _current_call.get()
+        generator = BlockDiffusionCandidateGenerator(
             drafter=assistant_model,
             target=self,
             input_ids=input_ids,
             generation_config=generation_config,
             logits_processor=logits_processor,
             target_tokenizer=target_tokenizer,
-            controller=_call_controller.get(),
-            prepared=_call_controller.get() is not None,
+            controller=call.controller if call is not None else None,
+            prepared=call is not None,
         )
+        if call is not None:
+            call.stats = generator.stats
+        return generator
     return _stock_get_candidate_generator(
         self,
         generation_config=generation_config,

@@ -115,6 +115,16 @@ class DraftController:
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         """Called once per request, after the prefill."""
 
+    def choose_with(
+        self, policy: BlockSizePolicy, prefill_outputs: Any, lm_head: nn.Module, temperature: float
+    ) -> None:
+        """Take this request's block size (1: speculation off) and the candidates' probabilities from `policy`,
+        timed (`policy_seconds`)."""
+        begin = time.perf_counter()
+        chosen, self.policy_probs = policy.choose_block_size(prefill_outputs, lm_head, temperature)
+        self.block_size = max(chosen, 1)
+        self.policy_seconds = time.perf_counter() - begin
+
     def width(self) -> int:
         """Slots to draft in the next round (anchor included; 1 = no drafting)."""
         return self.block_size
@@ -152,9 +162,7 @@ class PolicyBlockSize(DraftController):
         return policy_state_indices(self.policy)
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
-        begin = time.perf_counter()
-        self.block_size, self.policy_probs = self.policy.choose_block_size(prefill_outputs, lm_head, temperature)
-        self.policy_seconds = time.perf_counter() - begin
+        self.choose_with(self.policy, prefill_outputs, lm_head, temperature)
 
     def describe(self) -> str:
         return "policy"
@@ -358,10 +366,7 @@ class AdaptiveVerify(DraftController):
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         self.temperature = temperature
         if self.policy is not None:
-            begin = time.perf_counter()
-            chosen, self.policy_probs = self.policy.choose_block_size(prefill_outputs, lm_head, temperature)
-            self.block_size = max(chosen, 1)
-            self.policy_seconds = time.perf_counter() - begin
+            self.choose_with(self.policy, prefill_outputs, lm_head, temperature)
 
     def num_to_verify(self, drafted: DraftedRound) -> int:
         if drafted.num_drafts == 0:

@@ -25,7 +25,7 @@ for the row counts where this machine's calibration measured them faster (`CostM
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -49,6 +49,9 @@ DEFAULT_ROWS = frozenset(range(2, SKINNY_MAX_ROWS + 1))
 _attention_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "hf_blockpilot_attention_rows", default=DEFAULT_ROWS
 )
+
+#: The name `one_token_exact_attention` is registered under.
+ONE_TOKEN_EXACT_ATTENTION = "hf_blockpilot_one_token_exact_sdpa"
 
 #: The name `grouped_query_attention` is registered under in Transformers' attention (and mask) interfaces.
 GROUPED_QUERY_ATTENTION = "hf_blockpilot_grouped_sdpa"
@@ -139,10 +142,50 @@ AttentionInterface.register(GROUPED_QUERY_ATTENTION, grouped_query_attention)
 AttentionMaskInterface.register(GROUPED_QUERY_ATTENTION, sdpa_mask)  # the masks SDPA gets
 
 
-def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
-    """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention` for
-    query lengths in `rows` (in this thread); returns the function that switches them back. Other models
-    (eager, flash, a drafter) are left alone."""
+def one_token_exact_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' SDPA attention, with each of several queries computed as a one-token decoding step
+    computes it: alone, over the keys up to its own position, unmasked. A verify forward then returns, bit for
+    bit, the logits plain decoding would (bfloat16 on CPUs with AMX, whose linear layers give each row the same
+    result in any batch; PyTorch's SDPA does not). For unpadded sequences (see `sequence_is_unpadded`)."""
+    q_len = query.shape[2]
+    if q_len == 1 or query.device.type != "cpu":
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    past = key.shape[2] - q_len
+    kwargs = {**kwargs, "is_causal": False}
+    rows = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, i : i + 1],
+            key[:, :, : past + i + 1],
+            value[:, :, : past + i + 1],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            **kwargs,
+        )[0]
+        for i in range(q_len)
+    ]
+    return torch.cat(rows, dim=1), None
+
+
+AttentionInterface.register(ONE_TOKEN_EXACT_ATTENTION, one_token_exact_attention)
+AttentionMaskInterface.register(ONE_TOKEN_EXACT_ATTENTION, sdpa_mask)
+
+
+def _switch_sdpa(models: Sequence[nn.Module], implementation: str) -> Callable[[], None]:
+    """Switch the Transformers models among `models` that use SDPA attention to `implementation`; returns the
+    function that switches them back. Other models (eager, flash, a drafter) are left alone."""
     switched = [
         model
         for model in models
@@ -151,13 +194,43 @@ def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFA
         and model._can_set_attn_implementation()  # its attention goes through `AttentionInterface`
     ]
     for model in switched:
-        model.set_attn_implementation(GROUPED_QUERY_ATTENTION)
+        model.set_attn_implementation(implementation)
+
+    def undo() -> None:
+        for model in switched:
+            model.set_attn_implementation("sdpa")
+
+    return undo
+
+
+def use_one_token_exact_attention(*models: nn.Module) -> Callable[[], None]:
+    """Switch the SDPA models among `models` to `one_token_exact_attention`; returns the function that switches
+    them back."""
+    return _switch_sdpa(models, ONE_TOKEN_EXACT_ATTENTION)
+
+
+def needs_one_token_exact_attention(model: nn.Module) -> bool:
+    """Whether a verify forward of `model` needs `one_token_exact_attention` to match plain decoding bit for
+    bit: a half-precision SDPA model on CPU (in float32 the linear layers already differ by rounding between a
+    one-row and a several-row product, and a flip of a greedy choice is far rarer)."""
+    parameter = next(model.parameters())
+    return (
+        parameter.device.type == "cpu"
+        and parameter.dtype in (torch.bfloat16, torch.float16)
+        and getattr(model.config, "_attn_implementation", None) == "sdpa"
+    )
+
+
+def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
+    """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention` for
+    query lengths in `rows` (in this thread); returns the function that switches them back. Other models
+    (eager, flash, a drafter) are left alone."""
+    undo_switch = _switch_sdpa(models, GROUPED_QUERY_ATTENTION)
     token = _attention_rows.set(frozenset(rows))
 
     def undo() -> None:
         _attention_rows.reset(token)
-        for model in switched:
-            model.set_attn_implementation("sdpa")
+        undo_switch()
 
     return undo
 

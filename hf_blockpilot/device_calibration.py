@@ -36,13 +36,18 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .cpu_kernels import cpu_verify_kernels, skinny_linear
+from .cpu_kernels import (
+    cpu_verify_kernels,
+    needs_one_token_exact_attention,
+    skinny_linear,
+    use_one_token_exact_attention,
+)
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: half-precision verifies timed with one-token-exact attention
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: The CPU verify kernels serve a row count only where they measured at most this share of the stock time.
@@ -242,17 +247,25 @@ def calibrate(
     """
     begin = time.perf_counter()
     widths = sorted(set(widths) | {1})
-    device = next(target.parameters()).device
-    try_kernels = device.type == "cpu" if kernels is None else kernels
+    parameter = next(target.parameters())
+    device = parameter.device
+    # the kernels agree with stock only to rounding: in half precision generate keeps attention exact instead
+    try_kernels = device.type == "cpu" and parameter.dtype == torch.float32 if kernels is None else kernels
     with_kernels = [n for n in widths if n > 1] if try_kernels else []
     verify, others = _timed_forwards(target, drafter, widths, context_tokens)
     stock_phase = {("stock", n): verify(n) for n in widths} | others
     calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
     name = describe_device(device)["name"]
+    # what `generate` verifies with where no kernel is on (`candidate_generator._use_verify_kernels`)
+    exact = use_one_token_exact_attention(target) if needs_one_token_exact_attention(target) else None
     with tqdm(
         total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False, mininterval=1.0
     ) as bar:
-        ms = interleaved_median_ms(stock_phase, repeats, device, bar)
+        try:
+            ms = interleaved_median_ms(stock_phase, repeats, device, bar)
+        finally:
+            if exact is not None:
+                exact()
         if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
             with cpu_verify_kernels(target):
                 ms |= interleaved_median_ms({("kernels", n): verify(n) for n in with_kernels}, repeats, device, bar)

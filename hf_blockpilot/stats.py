@@ -1,4 +1,5 @@
-"""Per-request speculative decoding statistics (read them from `drafter.last_stats`)."""
+"""Per-request speculative decoding statistics: `generate(..., return_dict_in_generate=True)` returns them as
+`output.speculation_stats`; `drafter.last_stats` is the latest call's (a convenience for one thread)."""
 
 from __future__ import annotations
 

@@ -402,3 +402,42 @@ def test_generate_reports_device_dtype_and_cost_source_and_times_both_sides_alik
     assert result["dtype"] == "float32" and result["device"]  # calibration off in tests: auto keeps float32
     assert result["costs"].startswith("shipped fallback") and result["controller"].startswith("guarded(")
     assert result["timed_runs"].startswith("2 per side, no streaming") and result["identical_to_plain"] is True
+
+
+COMMAND_ARGS = {  # each command with its required arguments
+    "generate": ["hi"],
+    "train-drafter": ["--output-dir", "{tmp}/run"],
+    "eval-drafter": [],
+    "collect": ["--output-dir", "{tmp}/labels"],
+    "train-policy": ["--labels", "{tmp}/labels", "--output", "{tmp}/policy"],
+    "calibrate": [],
+    "measure-cost": ["--output", "{tmp}/cost.json"],
+    "evaluate-policy": ["--policy", "{tmp}/policy"],
+    "import-policy": ["{tmp}/model.pt", "--output", "{tmp}/policy"],
+    "bench": [],
+    "demo": [],
+}
+
+
+def test_every_command_is_covered_by_the_exit_status_tests():
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(sub.choices) == set(COMMAND_ARGS) | {"env"}
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_ARGS))
+def test_bad_input_exits_2_and_runtime_failures_exit_1_with_one_line(command, tmp_path, capsys, monkeypatch):
+    args = [a.format(tmp=tmp_path) for a in COMMAND_ARGS[command]]
+    assert main([command, *args, "--target", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hf-blockpilot {command}: error: ") and str(tmp_path) in err[0] and len(err) == 2
+
+    def broken(_args):
+        raise RuntimeError("the device went away\nmid-run")
+
+    parser = build_parser()
+    monkeypatch.setattr("hf_blockpilot.cli.build_parser", lambda: parser)
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    sub.choices[command].set_defaults(func=broken)
+    assert main([command, *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == f"hf-blockpilot {command}: failed: the device went away mid-run" and len(err) == 2

@@ -12,7 +12,7 @@ from conftest import make_drafter, make_target
 from torch import nn
 from transformers import DynamicCache
 
-from hf_blockpilot import cpu_kernels, cpu_verify_kernels
+from hf_blockpilot import DraftController, cpu_kernels, cpu_verify_kernels
 from hf_blockpilot._compat import cache_argument
 from hf_blockpilot.cpu_kernels import skinny_linear, skinny_linears, use_skinny_linears
 
@@ -134,3 +134,53 @@ def test_greedy_speculative_output_unchanged_under_cpu_kernels(kernels):
         with kernels(target, drafter):
             assert torch.equal(target.generate(prompt, **kwargs), expected)
             assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
+
+
+def _linears_are_batch_invariant(dtype: torch.dtype) -> bool:
+    """Whether this CPU's `F.linear` gives a row the same bits alone as among others (bf16 on AMX does)."""
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
+    return all(torch.equal(F.linear(x[i : i + 1], weight), F.linear(x, weight)[i : i + 1]) for i in range(5))
+
+
+def test_one_token_exact_attention_makes_a_bf16_verify_equal_one_token_steps_bit_for_bit():
+    if not _linears_are_batch_invariant(torch.bfloat16):
+        pytest.skip("this CPU's bfloat16 linear layers differ between one row and several: no exact verify here")
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=1).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompt, block = torch.randint(3, 48, (1, 30), generator=gen), torch.randint(3, 48, (1, 6), generator=gen)
+    assert cpu_kernels.needs_one_token_exact_attention(target)
+    with torch.no_grad():
+        steps_cache, block_cache = DynamicCache(), DynamicCache()
+        target(prompt, past_key_values=steps_cache)
+        target(prompt, past_key_values=block_cache)
+        steps = torch.cat([target(block[:, i : i + 1], past_key_values=steps_cache).logits for i in range(6)], 1)
+        undo = cpu_kernels.use_one_token_exact_attention(target)
+        try:
+            assert target.config._attn_implementation == cpu_kernels.ONE_TOKEN_EXACT_ATTENTION
+            verified = target(block, past_key_values=block_cache).logits
+        finally:
+            undo()
+    assert torch.equal(verified, steps)
+    assert target.config._attn_implementation == "sdpa"
+
+
+def test_bf16_speculative_greedy_output_equals_plain_bf16_generate():
+    if not _linears_are_batch_invariant(torch.bfloat16):
+        pytest.skip("this CPU's bfloat16 linear layers differ between one row and several: no exact verify here")
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=5).to(torch.bfloat16)
+    drafter = make_drafter(target, block_size=6, seed=5, scale=4.0).to(torch.bfloat16)
+    for case in range(6):
+        prompt = torch.randint(3, 48, (1, 8 + 5 * case), generator=torch.Generator().manual_seed(case))
+        plain = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+        for controller in (DraftController(6), DraftController(3)):
+            out = target.generate(
+                prompt,
+                max_new_tokens=40,
+                do_sample=False,
+                pad_token_id=0,
+                assistant_model=drafter,
+                draft_controller=controller,
+            )
+            assert torch.equal(out, plain), (case, controller.describe())

@@ -230,3 +230,44 @@ def test_user_requested_hidden_states_and_attentions_are_returned_in_full():
     assert len(out.hidden_states) == out.sequences.shape[1] - prompt.shape[1]
     assert all(len(step) == layers and all(h is not None for h in step) for step in out.hidden_states)
     assert all(len(step) == layers - 1 for step in out.attentions)
+
+
+def test_each_call_returns_its_own_statistics_also_from_concurrent_threads():
+    """`return_dict_in_generate=True` carries the call's `speculation_stats`; calls from several threads on one
+    target and drafter each get their own (`drafter.last_stats` is only the latest call's)."""
+    import threading
+
+    from hf_blockpilot import SpeculationStats
+
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=2)
+    drafter = make_drafter(target, block_size=4, seed=2)
+    prompts = [torch.randint(3, 48, (1, 4 + i), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    lengths = [5 + 3 * i for i in range(6)]
+
+    def run(i: int):
+        return target.generate(
+            prompts[i],
+            max_new_tokens=lengths[i],
+            do_sample=False,
+            pad_token_id=0,
+            assistant_model=drafter,
+            return_dict_in_generate=True,
+            draft_controller=4,
+        )
+
+    sequential = [run(i) for i in range(6)]
+    assert drafter.last_stats is sequential[-1].speculation_stats
+    results: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i))) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(6):
+        stats = results[i].speculation_stats
+        assert isinstance(stats, SpeculationStats)
+        assert stats.prompt_tokens == prompts[i].shape[1] and stats.new_tokens == lengths[i]
+        assert torch.equal(results[i].sequences, sequential[i].sequences)
+        assert stats.accepted_per_round == sequential[i].speculation_stats.accepted_per_round
+    plain = target.generate(prompts[0], max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert not hasattr(plain, "speculation_stats")  # plain generate is untouched

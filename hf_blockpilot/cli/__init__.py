@@ -39,13 +39,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hf-blockpilot {args.command}: interrupted", file=sys.stderr)
         return 130
     except (ValueError, OSError, ModuleNotFoundError) as error:  # bad input, missing files or packages
-        if os.environ.get("HF_BLOCKPILOT_DEBUG"):
-            raise
-        print(
-            f"hf-blockpilot {args.command}: error: {error}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)",
-            file=sys.stderr,
-        )
-        return 2
+        return _fail(args.command, "error", error, BAD_INPUT)
+    except RuntimeError as error:  # the work itself failed (a model, a device, a kernel)
+        return _fail(args.command, "failed", error, RUNTIME_FAILURE)
+
+
+#: Exit statuses: bad input (a value, a path, a missing package) and a failure of the work itself. A command
+#: whose checks fail (greedy output differing from plain decoding) also exits with RUNTIME_FAILURE.
+BAD_INPUT, RUNTIME_FAILURE = 2, 1
+
+
+def _fail(command: str, kind: str, error: BaseException, status: int) -> int:
+    """One line on stderr naming the command and the error (the traceback with HF_BLOCKPILOT_DEBUG=1)."""
+    if os.environ.get("HF_BLOCKPILOT_DEBUG"):
+        raise error
+    message = " ".join(str(error).split())
+    print(f"hf-blockpilot {command}: {kind}: {message}\n(set HF_BLOCKPILOT_DEBUG=1 for the traceback)", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

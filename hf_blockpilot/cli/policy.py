@@ -105,7 +105,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     records = read_oracle_labels(labels)
     missing_costs = sorted(set(args.candidates or manifest["candidates"]) - set(cost.target_ms)) if cost else []
     if missing_costs:
-        raise SystemExit(
+        raise ValueError(
             f"the cost model {cost_path} has no latency for block sizes {missing_costs}; measure them "
             "with `hf-blockpilot measure-cost --candidates ...` or pass --candidates without them"
         )
@@ -113,7 +113,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     candidates = args.candidates or manifest["candidates"]
     missing = sorted(set(candidates) - set(manifest["candidates"]))
     if missing:
-        raise SystemExit(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
+        raise ValueError(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
     acceptance = load_acceptance_model(args.acceptance_model) if args.acceptance_model else None
     policy, report = train_policy(
         records,

@@ -21,7 +21,7 @@ from ..costs import CostModel
 from ..data import load_prompts
 from ..device_calibration import cpu_description, describe_device
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from .evaluation import MethodResult, decode_methods, summarize_methods
+from .evaluation import MethodResult, decode_methods, fastest_fixed_per_prompt, summarize_methods
 from .reference_peer import ReferencePeer, peer_markdown, summarize_peers
 
 
@@ -216,15 +216,12 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 4))
     for run in runs:
         rows = [MethodResult(**r) for r in run["results"]]
-        fixed = [r for r in rows if r.method == "plain" or r.method.startswith("b=")]
-        for prompt_id in dict.fromkeys(r.prompt_id for r in rows):
-            mine = [r for r in fixed if r.prompt_id == prompt_id]
-            chosen = [r for r in rows if r.prompt_id == prompt_id and r.method == "policy"]
-            if mine and chosen:
-                oracle = max(mine, key=lambda r: r.tokens_per_second)
-                ax.scatter(oracle.block_size, chosen[0].block_size, alpha=0.5, s=15)
+        chosen = {r.prompt_id: r.block_size for r in rows if r.method == "default"}
+        for oracle in fastest_fixed_per_prompt(rows):
+            if oracle.prompt_id in chosen:
+                ax.scatter(oracle.block_size, chosen[oracle.prompt_id], alpha=0.5, s=15)
     ax.set_xlabel("oracle b (best measured tokens/s; 1 = plain)")
-    ax.set_ylabel("b chosen by BlockPilot")
+    ax.set_ylabel("widest b of the default (1 = plain)")
     paths.append(_save(fig, output_dir / "block_sizes.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))

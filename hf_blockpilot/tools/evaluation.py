@@ -227,6 +227,16 @@ def method_result(
     )
 
 
+def fastest_fixed_per_prompt(results: Sequence[MethodResult], clock: str = "seconds") -> list[MethodResult]:
+    """Per prompt, the fixed method (plain or a fixed b) with the most tokens per second on `clock` (`seconds`,
+    measured, or `modeled_seconds`): the per-prompt oracle."""
+    fixed = [r for r in results if r.method == "plain" or r.method.startswith("b=")]
+    return [
+        max((r for r in fixed if r.prompt_id == p), key=lambda r: r.new_tokens / max(getattr(r, clock), 1e-9))
+        for p in dict.fromkeys(r.prompt_id for r in fixed)
+    ]
+
+
 def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, float]]:
     """Per method: pooled tokens/s, speedup over plain, mean τ, mismatches; plus the per-prompt `oracle`.
 
@@ -239,19 +249,9 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
     by_method: dict[str, list[MethodResult]] = {}
     for r in results:
         by_method.setdefault(r.method, []).append(r)
-    fixed = [r for r in results if r.method == "plain" or r.method.startswith("b=")]
-
-    def fastest_per_prompt(clock: str) -> list[MethodResult]:
-        """Per prompt, the fixed method (plain or a fixed b) with the most tokens per second on `clock`."""
-        return [
-            max((r for r in fixed if r.prompt_id == p), key=lambda r: r.new_tokens / max(getattr(r, clock), 1e-9))
-            for p in dict.fromkeys(r.prompt_id for r in fixed)
-        ]
-
-    if fixed:
-        by_method["oracle"] = [
-            MethodResult(**{**r.__dict__, "method": "oracle"}) for r in fastest_per_prompt("seconds")
-        ]
+    oracle = fastest_fixed_per_prompt(results, "seconds")
+    if oracle:
+        by_method["oracle"] = [MethodResult(**{**r.__dict__, "method": "oracle"}) for r in oracle]
 
     def pooled(rows: list[MethodResult], clock: str = "seconds") -> float | None:
         times = [getattr(r, clock) for r in rows]
@@ -272,7 +272,9 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
             "verified_per_round": sum(r.verified_drafts for r in rows) / max(sum(r.draft_rounds for r in rows), 1),
         }
         if plain_modeled is not None:
-            modeled = pooled(fastest_per_prompt("modeled_seconds") if method == "oracle" else rows, "modeled_seconds")
+            modeled = pooled(
+                fastest_fixed_per_prompt(results, "modeled_seconds") if method == "oracle" else rows, "modeled_seconds"
+            )
             summary[method]["modeled_speedup"] = modeled / plain_modeled if modeled is not None else None
             round_oracle = pooled(rows, "round_oracle_seconds") if method.startswith("b=") else None
             if round_oracle is not None:
