@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -478,9 +478,13 @@ class DelegatingController(DraftController):
 class SpeculationGuard(DelegatingController):
     """Wraps `inner` (its widths and verify budgets) and turns drafting off where it loses to plain steps.
 
-    `prior_acceptance`: the per-slot acceptance assumed before a request has drafted (geometric), for the
-    request-level decision; `probe_rounds`: drafting rounds judged before a pause, and in each probe;
-    `first_pause` / `max_pause`: plain rounds of the first pause and the cap of the doubling.
+    Per request, a request whose costs say drafting cannot pay even at `prior_acceptance` (per slot,
+    geometric) decodes plain. Per round, the guard compares committed tokens per second over recent drafting
+    rounds (decayed by `decay`, judged after `probe_rounds` of them) with a plain step's rate, and below it
+    pauses drafting for `first_pause` plain rounds, doubling (up to `max_pause`) while probes keep losing.
+    `timing="measured"` (default) times each round by the wall clock, the plain steps too once a pause has
+    run them (before that: the cost model's plain step), so the overheads no cost model sees count;
+    `"modeled"` uses the cost model alone (deterministic).
     """
 
     name = "guarded"
@@ -489,19 +493,25 @@ class SpeculationGuard(DelegatingController):
         self,
         inner: DraftController,
         prior_acceptance: float = PRIOR_ACCEPTANCE,
-        probe_rounds: int = 4,
-        decay: float = 0.7,
+        probe_rounds: int = 6,
+        decay: float = 0.8,
         first_pause: int = 8,
         max_pause: int = 128,
+        timing: str = "measured",
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if not 0.0 <= prior_acceptance <= 1.0 or not 0.0 <= decay < 1.0 or probe_rounds < 1 or first_pause < 1:
             raise ValueError("prior_acceptance in [0, 1], decay in [0, 1), probe_rounds >= 1 and first_pause >= 1")
+        if timing not in ("measured", "modeled"):
+            raise ValueError(f"timing must be 'measured' or 'modeled', got {timing!r}")
         super().__init__(inner)
         self.prior_acceptance = prior_acceptance
         self.probe_rounds = probe_rounds
         self.decay = decay
         self.first_pause = first_pause
         self.max_pause = max(max_pause, first_pause)
+        self.timing = timing
+        self.clock = clock
         self.reset_guard()
 
     def reset_guard(self) -> None:
@@ -510,8 +520,10 @@ class SpeculationGuard(DelegatingController):
         self.paused_for = 0  # plain rounds left in the current pause
         self.next_pause = self.first_pause
         self.judged = 0  # drafting rounds since the last (re)start of drafting
-        self.committed = self.cost = 0.0  # decayed sums over those rounds
+        self.committed = self.seconds = 0.0  # decayed sums over those rounds
+        self.plain_seconds: float | None = None  # a measured plain step (decayed mean), once a pause ran some
         self.last_width = 1
+        self.last_time = 0.0
         self.paused_rounds = 0
 
     def reset(self) -> None:
@@ -522,6 +534,7 @@ class SpeculationGuard(DelegatingController):
         super().start(prefill_outputs, lm_head, temperature)
         self.temperature = temperature
         self.plain_request = not self.speculation_can_pay(self.inner.max_width())
+        self.last_time = self.clock()
 
     def speculation_can_pay(self, width: int) -> bool:
         """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance."""
@@ -529,10 +542,8 @@ class SpeculationGuard(DelegatingController):
             return False
         if self.cost_model is None:
             return True
-        return self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature) * self._plain_ms() > 1.0
-
-    def _plain_ms(self) -> float:
-        return self.cost_model.modeled_round_ms(1, 0, self.temperature)
+        plain_ms = self.cost_model.modeled_round_ms(1, 0, self.temperature)
+        return self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature) * plain_ms > 1.0
 
     def width(self) -> int:
         if self.plain_request or self.paused_for > 0:
@@ -545,25 +556,39 @@ class SpeculationGuard(DelegatingController):
         return 1 if self.plain_request else self.inner.max_width()
 
     def observe(self, verified: int, accepted: int) -> None:
+        now = self.clock()
+        elapsed, self.last_time = now - self.last_time, now
         if self.last_width <= 1:  # a plain round: the request is plain, or a pause is running down
             if self.paused_for > 0:
                 self.paused_for -= 1
                 self.paused_rounds += 1
+                self._time_plain_step(elapsed)
             return
         self.inner.observe(verified, accepted)
         if self.cost_model is None:
             return
-        round_ms = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature)
+        if self.timing == "modeled":
+            elapsed = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature) / 1000
         self.committed = self.decay * self.committed + accepted + 1
-        self.cost = self.decay * self.cost + round_ms
+        self.seconds = self.decay * self.seconds + elapsed
         self.judged += 1
         if self.judged < self.probe_rounds:
             return
-        if self.committed / self.cost * self._plain_ms() < 1.0:  # below break-even: pause, then probe
+        if self.committed * self._plain_step_seconds() < self.seconds:  # below break-even: pause, then probe
             self.paused_for, self.next_pause = self.next_pause, min(2 * self.next_pause, self.max_pause)
-            self.judged, self.committed, self.cost = 0, 0.0, 0.0
+            self.judged, self.committed, self.seconds = 0, 0.0, 0.0
         elif self.judged == self.probe_rounds:  # a probe (or the start) that pays: pauses start short again
             self.next_pause = self.first_pause
+
+    def _time_plain_step(self, elapsed: float) -> None:
+        if self.timing == "measured":
+            last = self.plain_seconds
+            self.plain_seconds = elapsed if last is None else self.decay * last + (1 - self.decay) * elapsed
+
+    def _plain_step_seconds(self) -> float:
+        if self.plain_seconds is not None:
+            return self.plain_seconds
+        return self.cost_model.modeled_round_ms(1, 0, self.temperature) / 1000
 
     def describe(self) -> str:
         return f"guarded({self.inner.describe()})"

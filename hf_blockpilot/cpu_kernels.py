@@ -155,13 +155,14 @@ def one_token_exact_attention(
     """Transformers' SDPA attention, with each of several queries computed as a one-token decoding step
     computes it: alone, over the keys up to its own position, unmasked. A verify forward then returns, bit for
     bit, the logits plain decoding would (bfloat16 on CPUs with AMX, whose linear layers give each row the same
-    result in any batch; PyTorch's SDPA does not). For unpadded sequences (see `sequence_is_unpadded`)."""
+    result in any batch; PyTorch's SDPA does not). The prefill (nothing cached yet) keeps the stock path, as
+    plain decoding's. For unpadded sequences only."""
     q_len = query.shape[2]
-    if q_len == 1 or query.device.type != "cpu":
+    past = key.shape[2] - q_len
+    if q_len == 1 or past == 0 or query.device.type != "cpu":  # a decoding step, or the prefill: as plain decoding
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    past = key.shape[2] - q_len
     kwargs = {**kwargs, "is_causal": False}
     rows = [
         sdpa_attention_forward(

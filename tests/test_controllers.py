@@ -300,8 +300,8 @@ def test_policy_width_under_adaptive_verify():
 
 @pytest.mark.parametrize("block_size", [2, 5])
 def test_the_default_is_the_guarded_fixed_block_size_and_drafts_as_it_where_drafting_pays(block_size, monkeypatch):
-    # a drafting round costs less than a plain step: any round pays, so the guard never pauses
-    flat = CostModel(target_ms={1: 10.0, 2: 9.0, 16: 9.0}, drafter_ms={2: 0.0, 16: 0.0})
+    # a drafting round costs less than a (slow) plain step: any round pays, so the guard never pauses
+    flat = CostModel(target_ms={1: 1000.0, 2: 900.0, 16: 900.0}, drafter_ms={2: 0.0, 16: 0.0})
     monkeypatch.setattr(CostModel, "default_for", classmethod(lambda cls, device: flat))
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=5)
     drafter = make_drafter(target, block_size=block_size, scale=4.0)

@@ -160,10 +160,13 @@ def test_one_token_exact_attention_makes_a_bf16_verify_equal_one_token_steps_bit
         try:
             assert target.config._attn_implementation == cpu_kernels.ONE_TOKEN_EXACT_ATTENTION
             verified = target(block, past_key_values=block_cache).logits
+            prefill = target(prompt).logits  # nothing cached: the stock path, as plain decoding's prefill
         finally:
             undo()
     assert torch.equal(verified, steps)
     assert target.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(prefill, target(prompt).logits)
 
 
 def test_bf16_speculative_greedy_output_equals_plain_bf16_generate():

@@ -26,7 +26,7 @@ def pair(seed: int = 3) -> tuple[torch.nn.Module, BlockDiffusionDrafter, torch.T
 
 
 def guarded(cost: CostModel, **kwargs) -> SpeculationGuard:
-    guard = SpeculationGuard(DraftController(6), **kwargs)
+    guard = SpeculationGuard(DraftController(6), **{"timing": "modeled", **kwargs})
     guard.use_cost_model(cost)
     return guard
 
@@ -107,9 +107,32 @@ def test_drafting_resumed_after_a_pause_sees_the_whole_context(built_generators)
     torch.testing.assert_close(resumed, fresh, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(prior_acceptance=1.5), dict(decay=1.0), dict(probe_rounds=0)])
-def test_bad_guard_settings_are_clear_errors(kwargs):
-    with pytest.raises(ValueError, match="prior_acceptance"):
+def test_measured_timing_learns_the_plain_step_from_its_pauses(built_generators):
+    """Wall-clock judging: every round (drafting or plain) takes 20 ms on this fake clock, twice the cost model's
+    plain step. Drafting rounds that commit one token lose against the modeled 10 ms step, and again against
+    the 20 ms plain steps the first pause measured; the guard learned that plain step."""
+    target, drafter, prompt = pair()
+    ticks = iter(range(10_000))
+    guard = guarded(FLAT, timing="measured", clock=lambda: 0.02 * next(ticks), probe_rounds=2, first_pause=3)
+    plain = greedy_generate(target, prompt, 60, None)
+    out = greedy_generate(target, prompt, 60, None, assistant_model=drafter, draft_controller=guard)
+    assert torch.equal(out, plain) and drafter.last_stats.plain_rounds >= 3
+    assert built_generators[-1].controller.plain_seconds == pytest.approx(0.02)
+    copy = guard.for_request()  # a fresh request's guard knows no plain step yet
+    assert copy.plain_seconds is None and copy.timing == "measured"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(prior_acceptance=1.5), "prior_acceptance"),
+        (dict(decay=1.0), "prior_acceptance"),
+        (dict(probe_rounds=0), "prior_acceptance"),
+        (dict(timing="guessed"), "timing"),
+    ],
+)
+def test_bad_guard_settings_are_clear_errors(kwargs, error):
+    with pytest.raises(ValueError, match=error):
         SpeculationGuard(DraftController(4), **kwargs)
     with pytest.raises(TypeError, match="wraps a DraftController"):
         SpeculationGuard(4)

@@ -315,7 +315,7 @@ def test_sampling_exact_when_the_guard_pauses_after_a_losing_round(target):
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
     # a round committing one token loses to a plain step (12 ms for 1 token vs 10 ms), two or more win
     costs = CostModel(target_ms={1: 10.0, 4: 10.0}, drafter_ms={2: 2.0, 4: 2.0})
-    guard = SpeculationGuard(DraftController(4), probe_rounds=1, decay=0.0, first_pause=1)
+    guard = SpeculationGuard(DraftController(4), probe_rounds=1, decay=0.0, first_pause=1, timing="modeled")
     guard.use_cost_model(costs)
     paused = []
     for seed in range(40):
