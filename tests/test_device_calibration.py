@@ -162,3 +162,25 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
         )
         assert switched == ([rows] if rows else [])
     assert target.config._attn_implementation == "sdpa"  # switched back after the call
+
+
+@pytest.mark.parametrize("bf16_verify_ms, expected", [(11.0, torch.bfloat16), (60.0, torch.float32)])
+def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_speculation(
+    calibrating, monkeypatch, bf16_verify_ms, expected
+):
+    """Native bf16 matmul: a bf16 copy is calibrated; bfloat16 only when it expects more tokens per ms."""
+    costs = {
+        torch.float32: CostModel(target_ms={1: 10.0, 16: 30.0}, drafter_ms={2: 1.0, 16: 1.0}),
+        torch.bfloat16: CostModel(target_ms={1: 10.0, 16: bf16_verify_ms}, drafter_ms={2: 1.0, 16: 1.0}),
+    }
+    monkeypatch.setattr(device_calibration, "runs_bf16_natively", lambda device: True)
+    monkeypatch.setattr(
+        device_calibration,
+        "resolve_cost_model",
+        lambda target, drafter, *args, **kwargs: costs[next(target.parameters()).dtype],
+    )
+    target, drafter = pair()
+    assert device_calibration.preferred_dtype(target, drafter) == expected
+    assert next(target.parameters()).dtype == torch.float32  # the copy was calibrated, not the model
+    monkeypatch.setattr(device_calibration, "runs_bf16_natively", lambda device: False)
+    assert device_calibration.preferred_dtype(target, drafter) == torch.float32  # emulated bf16: never
