@@ -7,10 +7,23 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..configuration_block_diffusion import BlockDiffusionConfig
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .evaluation import TauReport
 
 TEMPLATE = Path(__file__).parent.parent / "templates" / "drafter_card.md"
+
+
+def draft_layer_attention(config: BlockDiffusionConfig) -> str:
+    """How the draft layers attend over [target context ; block], e.g. "non-causal" or "layer 0: causal,
+    window 4; layer 1: non-causal"."""
+    kinds = [config.layer_attention(i) for i in range(config.num_hidden_layers)]
+    describe = [
+        ("causal" if causal else "non-causal") + (f", window {window}" if window else "") for causal, window in kinds
+    ]
+    if len(set(describe)) == 1:
+        return describe[0]
+    return "; ".join(f"layer {i}: {d}" for i, d in enumerate(describe))
 
 
 def drafter_model_card(
@@ -44,6 +57,7 @@ def drafter_model_card(
         name=name,
         target_name=target_name,
         num_layers=drafter.config.num_hidden_layers,
+        layer_attention=draft_layer_attention(drafter.config),
         target_layer_ids=drafter.target_layer_ids,
         block_size=drafter.config.block_size,
         mask_token_id=drafter.mask_token_id,
