@@ -42,6 +42,26 @@ from .calibration import RoundRecorder
 from .data import generation_eos_ids
 
 
+def _replay_generator(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    prompt: torch.LongTensor,
+    controller: DraftController | int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    processors: LogitsProcessorList | None = None,
+) -> BlockDiffusionCandidateGenerator:
+    """The candidate generator `generate` would build for `prompt` (sampling with `processors` if given, else
+    greedy), past its first iteration (the prefill round)."""
+    config = GenerationConfig(max_length=prompt.shape[1] + max_new_tokens, do_sample=processors is not None)
+    config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=prompt.device) if eos_token_ids else None
+    generator = BlockDiffusionCandidateGenerator(
+        drafter, target, prompt, config, processors or LogitsProcessorList(), controller=controller
+    )
+    generator.get_candidates(prompt, is_first_iteration=True)
+    return generator
+
+
 def replay_block_size(
     target: PreTrainedModel,
     drafter: BlockDiffusionDrafter,
@@ -59,12 +79,7 @@ def replay_block_size(
     `hidden_states` tuple from one forward over it. Each round hands the generator the states of the tokens
     verified since the last one, as the decoding loop does (the first round: the prompt's, i.e. the prefill).
     """
-    config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=False)
-    config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=sequence.device) if eos_token_ids else None
-    generator = BlockDiffusionCandidateGenerator(
-        drafter, target, sequence[:, :prompt_len], config, LogitsProcessorList(), controller=controller
-    )
-    generator.get_candidates(sequence[:, :prompt_len], is_first_iteration=True)
+    generator = _replay_generator(target, drafter, sequence[:, :prompt_len], controller, max_new_tokens, eos_token_ids)
     cur = prompt_len + 1  # prefill commits the first token
     generator.update_candidate_strategy(sequence[:, :cur], None, 0)
     while cur < sequence.shape[1]:
@@ -106,12 +121,9 @@ def expected_sampled_stats(
     visits committed lengths, not histories. A `RoundRecorder(..., soft=True)` receives each round's α.
     """
     n = sequence.shape[1]
-    config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=True)
-    config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=sequence.device) if eos_token_ids else None
-    generator = BlockDiffusionCandidateGenerator(
-        drafter, target, sequence[:, :prompt_len], config, processors, controller=controller
+    generator = _replay_generator(
+        target, drafter, sequence[:, :prompt_len], controller, max_new_tokens, eos_token_ids, processors
     )
-    generator.get_candidates(sequence[:, :prompt_len], is_first_iteration=True)
     target_probs = {}  # position -> the target's processed next-token distribution there
     survival = {}  # committed length c -> P(at least j drafts accepted), j = 1..k
     round_ms = {}  # committed length c -> modeled latency of the round drafted there
