@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..device_calibration import cache_root
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -90,15 +92,9 @@ def find_smollm2_gguf() -> Path:
 
 
 def default_cache_dir() -> Path:
-    """Return the cache root: ``$HF_BLOCKPILOT_CACHE``, else ``$XDG_CACHE_HOME/hf_blockpilot``, else
-    ``~/.cache/hf_blockpilot``."""
-    explicit = os.environ.get("HF_BLOCKPILOT_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "hf_blockpilot"
-    return Path.home() / ".cache" / "hf_blockpilot"
+    """Return the package cache root (``device_calibration.cache_root``: ``$HF_BLOCKPILOT_CACHE``, else
+    ``$XDG_CACHE_HOME/hf_blockpilot``, else ``~/.cache/hf_blockpilot``)."""
+    return cache_root()
 
 
 def default_target_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
