@@ -22,7 +22,6 @@ import functools
 import math
 import time
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,13 +32,7 @@ from transformers.utils import ModelOutput
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
 from .controllers import DraftController, DraftedRound, resolve_controller
-from .costs import CostModel
-from .cpu_kernels import (
-    needs_one_token_exact_attention,
-    skinny_linear,
-    use_cpu_verify_kernels,
-    use_one_token_exact_attention,
-)
+from .cpu_kernels import skinny_linear, use_verify_kernels
 from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
@@ -408,34 +401,18 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
             )
         return _stock_generate(self, *args, **kwargs)
     call = _Call(prepare_controller(self, drafter, draft_controller))  # bad input fails before any forward
-    undo_kernels = _use_verify_kernels(self, call.controller.cost_model, kwargs.get("attention_mask"))
+    mask = kwargs.get("attention_mask")
+    unpadded = mask is None or bool(mask.all())  # once per call
+    undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded)
     token = _current_call.set(call)
     try:
         output = _stock_generate(self, *args, **kwargs)
     finally:
         _current_call.reset(token)
-        if undo_kernels is not None:
-            undo_kernels()
+        undo_kernels()
     if isinstance(output, ModelOutput):  # return_dict_in_generate=True: this call's statistics travel with it
         output.speculation_stats = call.stats
     return output
-
-
-def _use_verify_kernels(
-    target: PreTrainedModel, cost_model: CostModel, attention_mask: torch.Tensor | None
-) -> Callable[[], None] | None:
-    """Switch the target's verify forwards to the kernels this call uses; returns what switches them back.
-
-    The CPU verify kernels where this machine's calibration measured them faster (`kernel_rows`, float32);
-    else, for a half-precision target on CPU and an unpadded prompt, `one_token_exact_attention`, so that
-    greedy output equals plain decoding bit for bit.
-    """
-    if cost_model.kernel_rows:
-        return use_cpu_verify_kernels(target, rows=cost_model.kernel_rows)
-    unpadded = attention_mask is None or bool(attention_mask.all())  # once per call
-    if needs_one_token_exact_attention(target) and unpadded:
-        return use_one_token_exact_attention(target)
-    return None
 
 
 def _validate_generation_mode(

@@ -249,6 +249,18 @@ def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_R
     return undo
 
 
+def use_verify_kernels(target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True) -> Callable[[], None]:
+    """What a speculative call verifies with (the one place that decides it; calibration times the same):
+    the CPU verify kernels for `kernel_rows` (where this machine's calibration measured them faster, float32);
+    else, for a half-precision SDPA target on CPU and an `unpadded` prompt, `one_token_exact_attention`, so
+    greedy output equals plain decoding bit for bit; else the stock kernels. Returns what switches back."""
+    if kernel_rows:
+        return use_cpu_verify_kernels(target, rows=kernel_rows)
+    if unpadded and needs_one_token_exact_attention(target):
+        return use_one_token_exact_attention(target)
+    return lambda: None
+
+
 @contextmanager
 def cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Iterator[None]:
     """Within the block, `models` run forwards over `rows` tokens (default 2..`SKINNY_MAX_ROWS`) with

@@ -36,12 +36,7 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .cpu_kernels import (
-    cpu_verify_kernels,
-    needs_one_token_exact_attention,
-    skinny_linear,
-    use_one_token_exact_attention,
-)
+from .cpu_kernels import skinny_linear, use_verify_kernels
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)
@@ -256,19 +251,21 @@ def calibrate(
     stock_phase = {("stock", n): verify(n) for n in widths} | others
     calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
     name = describe_device(device)["name"]
-    # what `generate` verifies with where no kernel is on (`candidate_generator._use_verify_kernels`)
-    exact = use_one_token_exact_attention(target) if needs_one_token_exact_attention(target) else None
     with tqdm(
         total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False, mininterval=1.0
     ) as bar:
-        try:
-            ms = interleaved_median_ms(stock_phase, repeats, device, bar)
-        finally:
-            if exact is not None:
-                exact()
-        if with_kernels:  # a phase of its own: switching the kernels takes milliseconds, kept out of the timings
-            with cpu_verify_kernels(target):
-                ms |= interleaved_median_ms({("kernels", n): verify(n) for n in with_kernels}, repeats, device, bar)
+        # each phase verifies as `generate` would with those kernel rows (`use_verify_kernels`); switching
+        # takes milliseconds, kept out of the timings
+        phases = [(stock_phase, [])] + (
+            [({("kernels", n): verify(n) for n in with_kernels}, with_kernels)] if with_kernels else []
+        )
+        ms: dict[Any, float] = {}
+        for fns, rows in phases:
+            undo = use_verify_kernels(target, rows)
+            try:
+                ms |= interleaved_median_ms(fns, repeats, device, bar)
+            finally:
+                undo()
     stock = {n: ms[("stock", n)] for n in widths}
     kernel = {n: ms[("kernels", n)] for n in with_kernels}
     kernel_rows = [n for n in with_kernels if kernel[n] <= KERNEL_MARGIN * stock[n]]

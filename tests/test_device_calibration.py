@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import greedy_generate, make_drafter, make_target
 
-from hf_blockpilot import candidate_generator, device_calibration
+from hf_blockpilot import cpu_kernels, device_calibration
 from hf_blockpilot.controllers import AdaptiveVerify, DraftController
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.device_calibration import (
@@ -140,9 +140,9 @@ def test_opting_out_or_passing_costs_skips_calibration(calibrating, monkeypatch)
 def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measured_rows(calibrating, monkeypatch):
     target, drafter = pair()
     switched = []
-    real = candidate_generator.use_cpu_verify_kernels
+    real = cpu_kernels.use_cpu_verify_kernels
     monkeypatch.setattr(
-        candidate_generator,
+        cpu_kernels,
         "use_cpu_verify_kernels",
         lambda *models, rows: switched.append(sorted(rows)) or real(*models, rows=rows),
     )
@@ -152,7 +152,8 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
     assert torch.equal(out, plain) and len(calibrating) == 1
     assert drafter.last_stats.cost_model_source.startswith("calibrated on")
     measured_rows = resolve_cost_model(target, drafter).kernel_rows
-    assert switched == ([measured_rows] if measured_rows else [])
+    timed_with_kernels = [n for n in device_calibration.DEFAULT_WIDTHS if n > 1]  # the calibration's kernel phase
+    assert switched == [timed_with_kernels] + ([measured_rows] if measured_rows else [])
     for rows in ([3], []):
         cost = CostModel(target_ms={1: 1.0, 4: 1.0}, drafter_ms={4: 0.1}, kernel_rows=rows)
         controller = AdaptiveVerify(4, cost_model=cost)
