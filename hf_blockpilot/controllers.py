@@ -512,9 +512,10 @@ class SpeculationGuard(DelegatingController):
         self.max_pause = max(max_pause, first_pause)
         self.timing = timing
         self.clock = clock
-        self.reset_guard()
+        self.reset()
 
-    def reset_guard(self) -> None:
+    def reset(self) -> None:
+        super().reset()
         self.temperature = 0.0
         self.plain_request = False
         self.paused_for = 0  # plain rounds left in the current pause
@@ -524,11 +525,6 @@ class SpeculationGuard(DelegatingController):
         self.plain_seconds: float | None = None  # a measured plain step (decayed mean), once a pause ran some
         self.last_width = 1
         self.last_time = 0.0
-        self.paused_rounds = 0
-
-    def reset(self) -> None:
-        super().reset()
-        self.reset_guard()
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         super().start(prefill_outputs, lm_head, temperature)
@@ -561,7 +557,6 @@ class SpeculationGuard(DelegatingController):
         if self.last_width <= 1:  # a plain round: the request is plain, or a pause is running down
             if self.paused_for > 0:
                 self.paused_for -= 1
-                self.paused_rounds += 1
                 self._time_plain_step(elapsed)
             return
         self.inner.observe(verified, accepted)
