@@ -36,7 +36,7 @@ from .controllers import (
 from .costs import CostModel
 from .cpu_kernels import cpu_verify_kernels
 from .modeling_block_diffusion import BlockDiffusionDrafter
-from .policy import BlockPilotPolicy
+from .policy import BlockPilotPolicy, LastLogitsMLPPolicy, PrefillMLPPolicy
 from .prompt_lookup import NgramLookup
 from .stats import SpeculationStats
 
@@ -61,8 +61,10 @@ __all__ = [
     "EntropyBound",
     "EntropyStop",
     "HeuristicSchedule",
+    "LastLogitsMLPPolicy",
     "NgramLookup",
     "PolicyBlockSize",
+    "PrefillMLPPolicy",
     "SpeculationGuard",
     "SpeculationStats",
     "cpu_verify_kernels",

@@ -33,8 +33,9 @@ class BlockSizePolicy(Protocol):
 
     Optional attributes: `candidates` (the block sizes it picks from), `feature_layers` (target layer ids whose
     prefill states it reads; absent: the target keeps them all), `acceptance_model` and `cost_model` (what an
-    `AdaptiveVerify` under it uses unless given its own), `label_controller` ("adaptive": its labels' rounds were
-    cut by `AdaptiveVerify`, so generate serves it under one by default; absent or "fixed": every draft verified).
+    `AdaptiveVerify` under it uses unless given its own), `serving_controller` (or, as before it,
+    `label_controller`; "adaptive": generate serves it under `AdaptiveVerify` by default; absent or "fixed": every
+    draft verified), `weighs_costs` (true: `choose_block_size` also takes `cost_model=`, this machine's costs).
     """
 
     def choose_block_size(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> tuple[int, dict]: ...
@@ -118,10 +119,15 @@ class DraftController:
     def choose_with(
         self, policy: BlockSizePolicy, prefill_outputs: Any, lm_head: nn.Module, temperature: float
     ) -> None:
-        """Take this request's block size (1: speculation off) and the candidates' probabilities from `policy`,
-        timed (`policy_seconds`)."""
+        """Take this request's block size (1: speculation off) and the candidates' scores from `policy`, timed
+        (`policy_seconds`); a policy that weighs costs gets this request's cost model."""
         begin = time.perf_counter()
-        chosen, self.policy_probs = policy.choose_block_size(prefill_outputs, lm_head, temperature)
+        if getattr(policy, "weighs_costs", False):
+            chosen, self.policy_probs = policy.choose_block_size(
+                prefill_outputs, lm_head, temperature, cost_model=self.cost_model
+            )
+        else:
+            chosen, self.policy_probs = policy.choose_block_size(prefill_outputs, lm_head, temperature)
         self.block_size = max(chosen, 1)
         self.policy_seconds = time.perf_counter() - begin
 
@@ -395,14 +401,14 @@ def _widest(policy: BlockSizePolicy) -> int:
 
 def default_controller(drafter: nn.Module) -> DraftController:
     """What `generate(assistant_model=drafter)` runs when given no `draft_controller` (and what `bench`, the CLI
-    and `evaluate-policy` call "default"): the drafter's attached policy under the controller its labels were
-    collected with (`AdaptiveVerify` for a policy trained on `collect --adaptive` labels, else every draft
+    and `evaluate-policy` call "default"): the drafter's attached policy under its `serving_controller`
+    (`AdaptiveVerify` for a τ-predicting policy or one trained on `collect --adaptive` labels, else every draft
     verified), else its `block_size` with every draft verified; inside a `SpeculationGuard`, so that it never
     runs slower than plain decoding on this machine's costs."""
     policy = getattr(drafter, "policy", None)
     if policy is None:
         inner = DraftController(drafter.block_size)
-    elif getattr(policy, "label_controller", "fixed") == "adaptive":
+    elif getattr(policy, "serving_controller", getattr(policy, "label_controller", "fixed")) == "adaptive":
         inner = AdaptiveVerify(policy=policy)
     else:
         inner = PolicyBlockSize(policy)

@@ -3,22 +3,31 @@
 The features come from the prefill forward `generate` runs anyway (no extra target forward): last-token and
 mean-pooled prompt hidden states of a few target layers, the last-token logit entropy / top-2 margin, the prompt
 length and the request's sampling temperature (acceptance, hence the best block size, drops as it rises).
-Checkpoints are tiny safetensors files on the Hub (`PyTorchModelHubMixin`), loaded strictly.
+
+A policy trained with the objective `"tau"` predicts the acceptance length τ(b) of each candidate width, which
+depends on the prompt, the target and the drafter but not on the machine; the width is then chosen per request
+as the most expected committed tokens per ms under the *local* cost model (this machine's calibration), so one
+checkpoint picks wide blocks where a wide verify is cheap (a GPU, AMX in bf16) and narrow ones where it is not.
+
+One class per architecture (`PrefillMLPPolicy`, `LastLogitsMLPPolicy`) over the shared `BlockPilotPolicy`, whose
+`from_pretrained` loads either by the checkpoint's config. Checkpoints are tiny safetensors files on the Hub
+(`PyTorchModelHubMixin`), loaded strictly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import inspect
+import json
 import math
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import safetensors.torch
 import torch
-from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
+from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
 from ._compat import tensor_version
@@ -126,8 +135,16 @@ class LastLogitsMLP(nn.Module):
         return self.fc_out(x)
 
 
-ARCHITECTURES = ("prefill-mlp", "last-logits-mlp")
+#: What a policy's head outputs, per candidate block size (the config field `objective`):
+#: `"tau"`: the expected acceptance length τ(b) with every draft verified, learnt from hardware-free labels; the
+#: width is chosen per request as the best expected committed tokens per ms under the *local* cost model.
+#: `"throughput"` / `"acceptance"`: a distribution over the candidates, trained to put the most mass on the fastest
+#: width on the machine the labels were priced on / on the width of the longest τ (checkpoints before the τ head).
+OBJECTIVES = ("tau", "throughput", "acceptance")
 LABEL_CONTROLLERS = ("fixed", "adaptive")  # what verified the rounds of a policy's labels (`collect [--adaptive]`)
+DTYPES = ("float32", "bfloat16", "float16")
+#: Config keys of checkpoints written when one class served both architectures; ignored where a class has no use.
+_LEGACY_KEYS = {"feature_layers", "target_hidden_size", "target_num_layers", "depth"}
 
 
 class BlockPilotPolicy(
@@ -136,25 +153,23 @@ class BlockPilotPolicy(
     library_name="hf-blockpilot",
     tags=["speculative-decoding", "dflash", "blockpilot"],
 ):
-    """MLP over prefill features -> a distribution over candidate block sizes (1 = speculation off).
+    """The shared base of BlockPilot policies: a small network over prefill features that picks the block size
+    of a request (1 = speculation off). One subclass per architecture (`PrefillMLPPolicy`, `LastLogitsMLPPolicy`);
+    `BlockPilotPolicy.from_pretrained` loads either, by the `architecture` in the checkpoint's config.
 
-    The config records the candidates, the feature spec, the widths, and the identity of the target and
-    drafter it was trained for, so attaching it elsewhere fails or warns clearly.
-
-    `architecture`: `"prefill-mlp"` (ours: `prefill_features` of `feature_layers`, a `width`-wide MLP) or
-    `"last-logits-mlp"` (the BlockPilot authors' predictor over the target's last-token logits, `depth` layers
-    of `width`; `hf-blockpilot import-policy` converts their checkpoints). `dtype`: of the parameters.
+    Fields every architecture shares: `candidates` (block sizes), `target_vocab_size`, `objective` (see
+    `OBJECTIVES`), the identity of the target and drafter it was trained for (so attaching it elsewhere fails or
+    warns clearly), `training_loss` and `report` (shown on the card), `prompt_lookup` and `label_controller` (how
+    its labels were decoded), the per-round controller's `acceptance_model` and `cost_model` (dicts), and the
+    parameters' `dtype`; `architecture`, if given, must be the class's own (so a saved config round-trips).
     """
+
+    architecture: ClassVar[str] = ""
 
     def __init__(
         self,
         candidates: list[int],
-        feature_layers: list[int],
-        target_hidden_size: int,
         target_vocab_size: int,
-        target_num_layers: int,
-        width: int = 64,
-        dropout: float = 0.1,
         objective: str = "throughput",
         target_name: str = "",
         drafter_name: str = "",
@@ -164,57 +179,78 @@ class BlockPilotPolicy(
         prompt_lookup: bool = False,
         acceptance_model: dict | None = None,
         cost_model: dict | None = None,
-        architecture: str = "prefill-mlp",
-        depth: int = 1,
         dtype: str = "float32",
         label_controller: str = "fixed",
+        architecture: str | None = None,
     ):
+        if not type(self).architecture:
+            raise TypeError(
+                "BlockPilotPolicy is the shared base of the policy architectures: construct "
+                f"{' or '.join(c.__name__ for c in POLICY_CLASSES.values())}, or load a checkpoint of either with "
+                "BlockPilotPolicy.from_pretrained"
+            )
+        if architecture not in (None, type(self).architecture):
+            raise ValueError(
+                f"architecture {architecture!r} is {POLICY_CLASSES[architecture].__name__}'s, not "
+                f"{type(self).__name__}'s"
+                if architecture in POLICY_CLASSES
+                else f"architecture must be one of {sorted(POLICY_CLASSES)}, got {architecture!r}"
+            )
         super().__init__()
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
             raise ValueError(f"candidates must be block sizes >= 1 (1 = speculation off), got {candidates}")
-        if objective not in ("throughput", "acceptance"):
-            raise ValueError(f"objective must be 'throughput' or 'acceptance', got {objective!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if label_controller not in LABEL_CONTROLLERS:
             raise ValueError(f"label_controller must be one of {LABEL_CONTROLLERS}, got {label_controller!r}")
         self.candidates = list(candidates)
-        self.feature_layers = list(feature_layers)
-        self.target_hidden_size = target_hidden_size
         self.target_vocab_size = target_vocab_size
-        self.target_num_layers = target_num_layers
         self.objective = objective
         self.target_name = target_name
         self.drafter_name = drafter_name
         self.drafter_fingerprint = drafter_fingerprint
-        self.architecture = architecture
-        if architecture == "last-logits-mlp":
-            if feature_layers:
-                raise ValueError("a last-logits-mlp policy reads only the last-token logits: give no feature_layers")
-            self.logits_mlp = LastLogitsMLP(target_vocab_size, width, depth, len(candidates), dropout)
-        else:
-            feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_SCALAR_FEATURES
-            # LayerNorm over the hidden-state features only: the O(1) scalars (the temperature among them) would
-            # vanish next to the hidden states' outlier dimensions; they join the network as they are.
-            self.input_norm = nn.LayerNorm(feature_dim - NUM_SCALAR_FEATURES)
-            self.net = nn.Sequential(
-                nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
-            )
-            # a linear path from the scalars to the choice: the temperature's effect is easy to learn from few prompts
-            self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
-
         self.training_loss = training_loss
         self.prompt_lookup = prompt_lookup  # labels collected with the drafter's prompt lookup on
-        # how its labels' rounds were verified: "fixed" (every draft) or "adaptive" (cut by AdaptiveVerify): the
-        # widths it picks are best under that controller, which is the default one it serves under
+        # how its labels' rounds were verified: "fixed" (every draft) or "adaptive" (cut by AdaptiveVerify)
         self.label_controller = label_controller
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
         # what an AdaptiveVerify under this policy cuts each round with, unless given its own
         self.acceptance_model = AcceptanceModel.from_dict(acceptance_model) if acceptance_model else None
         self.cost_model = CostModel.from_dict(cost_model) if cost_model else None
-        self.to(getattr(torch, dtype))  # before loading, so a bf16 checkpoint stays bf16 in memory
+        self.parameter_dtype = getattr(torch, dtype)
+        # the whole config, defaults included (the Hub mixin records only the subclass's own defaults), and the
+        # architecture `from_pretrained` dispatches on
+        self._hub_mixin_config.update(
+            candidates=self.candidates,
+            target_vocab_size=target_vocab_size,
+            objective=objective,
+            target_name=target_name,
+            drafter_name=drafter_name,
+            drafter_fingerprint=drafter_fingerprint,
+            training_loss=training_loss,
+            report=report,
+            prompt_lookup=prompt_lookup,
+            acceptance_model=acceptance_model,
+            cost_model=cost_model,
+            dtype=dtype,
+            label_controller=label_controller,
+            architecture=self.architecture,
+        )
+
+    @property
+    def weighs_costs(self) -> bool:
+        """Whether the choice weighs predicted acceptance against the local cost model (objective `"tau"`); the
+        classifying objectives carry the costs of the machine their labels were priced on in their weights."""
+        return self.objective == "tau"
+
+    @property
+    def serving_controller(self) -> str:
+        """What verifies its widths' drafts by default (`controllers.default_controller`): `"adaptive"`
+        (`AdaptiveVerify`, per round against this machine's costs) for a τ-predicting policy and for one trained
+        on labels cut by it, else `"fixed"` (every draft verified, as its labels were)."""
+        return "adaptive" if self.weighs_costs or self.label_controller == "adaptive" else "fixed"
 
     def attach_verify_model(self, acceptance: AcceptanceModel | None, cost: CostModel | None) -> None:
         """Store the per-round controller's acceptance model and cost model in this policy (and its config,
@@ -231,10 +267,10 @@ class BlockPilotPolicy(
             template_path=str(CARD_TEMPLATE),
             candidates=self.candidates,
             architecture=self.architecture,
-            feature_layers=self.feature_layers,
+            feature_layers=getattr(self, "feature_layers", []),
             target_name=self.target_name,
-            target_hidden_size=self.target_hidden_size,
-            target_num_layers=self.target_num_layers,
+            target_hidden_size=getattr(self, "target_hidden_size", None),
+            target_num_layers=getattr(self, "target_num_layers", None),
             target_vocab_size=self.target_vocab_size,
             drafter_name=self.drafter_name,
             drafter_fingerprint=self.drafter_fingerprint,
@@ -244,52 +280,59 @@ class BlockPilotPolicy(
             training_loss=self.training_loss,
             prompt_lookup=self.prompt_lookup,
             label_controller=self.label_controller,
+            serving_controller=self.serving_controller,
             acceptance_model=self.acceptance_model.to_dict() if self.acceptance_model else None,
             cost_model=self.cost_model,
         )
 
     def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
         """(1, D) this policy's input for one request (its architecture's features of the prefill)."""
-        if self.architecture == "last-logits-mlp":
-            return last_token_logits(prefill_outputs, lm_head)
-        return prefill_features(prefill_outputs, self.feature_layers, lm_head, temperature)
+        raise NotImplementedError
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits over `candidates` for (batch, D) features."""
-        if self.architecture == "last-logits-mlp":
-            return self.logits_mlp(features.to(self.logits_mlp.fc_out.weight.dtype))
-        features = features.to(self.input_norm.weight.dtype)
-        hidden, scalars = features[:, :-NUM_SCALAR_FEATURES], features[:, -NUM_SCALAR_FEATURES:]
-        return self.net(torch.cat([self.input_norm(hidden), scalars], dim=-1)) + self.scalar_head(scalars)
+    def predicted_tau(self, outputs: torch.Tensor) -> torch.Tensor:
+        """(..., k) τ(b) per candidate from a τ head's outputs: 1 + (b - 1) σ(output), so 1 <= τ(b) <= b (a round
+        of b slots commits at most b - 1 drafts and a bonus; b = 1 is exactly one token)."""
+        widths = torch.tensor(self.candidates, dtype=torch.float32, device=outputs.device)
+        return 1.0 + (widths - 1.0) * torch.sigmoid(outputs.float())
 
     @torch.no_grad()
-    def choose_block_size(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> tuple[int, dict]:
-        """The block size for this request and the policy's probability for each candidate.
+    def choose_block_size(
+        self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0, cost_model: CostModel | None = None
+    ) -> tuple[int, dict]:
+        """The block size for this request, and per candidate the policy's probability (classifying objectives)
+        or its predicted τ(b) (objective `"tau"`).
 
-        `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy.
+        `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy;
+        `cost_model`: this machine's costs, which a τ-predicting policy weighs its prediction against (default:
+        the shipped fallback for the device): the width with the most expected committed tokens per ms.
         """
         features = self.features(prefill_outputs, lm_head, temperature).to(next(self.parameters()).device)
-        probs = torch.softmax(self(features)[0].float(), dim=-1).cpu()  # one small sync per request
-        if not torch.isfinite(probs).all():
+        outputs = self(features)[0].float()
+        scores = self.predicted_tau(outputs) if self.weighs_costs else torch.softmax(outputs, dim=-1)
+        scores = scores.cpu()  # one small sync per request
+        if not torch.isfinite(scores).all():
             raise ValueError(
                 "the BlockPilot policy got non-finite prefill features (NaN/inf in the target's hidden states or "
                 "logits); check the target's dtype and inputs, or detach the policy with drafter.set_policy(None)."
             )
-        chosen = self.candidates[int(probs.argmax())]
-        return chosen, {b: float(p) for b, p in zip(self.candidates, probs, strict=True)}
+        if self.weighs_costs:
+            cost = cost_model or CostModel.default_for(features.device)
+            ms = torch.tensor([cost.round_ms(b, temperature) for b in self.candidates])
+            chosen = self.candidates[int((scores / ms).argmax())]
+        else:
+            chosen = self.candidates[int(scores.argmax())]
+        return chosen, {b: float(s) for b, s in zip(self.candidates, scores, strict=True)}
+
+    def _shape_problems(self, target: nn.Module) -> list[str]:
+        """Where `target` cannot give this policy its features (empty: it can)."""
+        vocab = target.get_input_embeddings().weight.shape[0]
+        return [f"vocab {vocab} != {self.target_vocab_size}"] if vocab != self.target_vocab_size else []
 
     def check_compatible(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
         """Error if the features cannot come from `target`; warn if trained for another drafter, for decoding
-        with prompt lookup set otherwise than on `drafter`, or with round latencies of another kind of device."""
-        text_config = target.config.get_text_config()
-        problems = []
-        reads_states = self.architecture == "prefill-mlp"  # the other reads only the logits
-        if reads_states and text_config.hidden_size != self.target_hidden_size:
-            problems.append(f"hidden size {text_config.hidden_size} != {self.target_hidden_size}")
-        if reads_states and text_config.num_hidden_layers != self.target_num_layers:
-            problems.append(f"{text_config.num_hidden_layers} layers != {self.target_num_layers}")
-        if target.get_input_embeddings().weight.shape[0] != self.target_vocab_size:
-            problems.append(f"vocab {target.get_input_embeddings().weight.shape[0]} != {self.target_vocab_size}")
+        with prompt lookup set otherwise than on `drafter`, or (a classifying policy) with round latencies of
+        another kind of device."""
+        problems = self._shape_problems(target)
         if problems:
             raise ValueError(
                 f"this BlockPilot policy was trained for target {self.target_name or '?'} and cannot read this "
@@ -318,31 +361,170 @@ class BlockPilotPolicy(
             )
         cost_device = (self.report or {}).get("cost_model_device", "")
         device = next(target.parameters()).device
-        if cost_device and torch.device(cost_device).type != device.type:
+        if not self.weighs_costs and cost_device and torch.device(cost_device).type != device.type:
             warnings.warn(
                 f"this BlockPilot policy weighs block sizes by round latencies measured on {cost_device}, but the "
-                f"target runs on {device.type}: the best block size differs between devices. Re-time them here with "
-                "`hf-blockpilot measure-cost` and retrain with `train-policy --cost-model` (output stays lossless).",
+                f"target runs on {device.type}: the best block size differs between devices. Train a τ-predicting "
+                "one (`train-policy --objective tau`), which weighs this machine's costs (output stays lossless).",
                 stacklevel=3,
             )
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, strict: bool = True, **kwargs: Any):
-        """Load from a Hub repo id or a directory; strict by default (missing or extra tensors are an error)."""
-        try:
-            # huggingface_hub prints "Loading weights from local directory" to stdout: keep stdout for results
-            with contextlib.redirect_stdout(sys.stderr):
-                return super().from_pretrained(pretrained_model_name_or_path, *args, strict=strict, **kwargs)
-        except TypeError as err:  # the config lacks the policy's own fields: another kind of checkpoint
-            if "required positional argument" not in str(err):
-                raise
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | Path,
+        *,
+        strict: bool = True,
+        revision: str | None = None,
+        cache_dir: str | Path | None = None,
+        force_download: bool = False,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        map_location: str = "cpu",
+    ) -> BlockPilotPolicy:
+        """Load from a Hub repo id or a directory: the class named by the config's `architecture` (checkpoints
+        written before it was recorded are `"prefill-mlp"`), strict by default (missing or extra tensors, or
+        tensors of other shapes, are an error naming them)."""
+        source = str(pretrained_model_name_or_path)
+
+        def fetch(filename: str) -> Path:
+            if Path(source).is_dir():
+                path = Path(source) / filename
+                if not path.is_file():
+                    raise ValueError(f"{source} is not a BlockPilot policy checkpoint: it has no {filename}")
+                return path
+            return Path(
+                hf_hub_download(
+                    source,
+                    filename,
+                    revision=revision,
+                    cache_dir=cache_dir,
+                    force_download=force_download,
+                    local_files_only=local_files_only,
+                    token=token,
+                )
+            )
+
+        config = json.loads(fetch("config.json").read_text())
+        architecture = config.get("architecture", "prefill-mlp")
+        if "candidates" not in config or architecture not in POLICY_CLASSES:
+            has = "no 'candidates'" if "candidates" not in config else f"architecture {architecture!r}"
             raise ValueError(
-                f"{pretrained_model_name_or_path} is not a BlockPilot policy checkpoint ({err}); pass the policy's "
-                "repo id or directory, not the drafter's or the target's"
-            ) from None
-        except RuntimeError as err:
-            if "Missing key" in str(err) or "Unexpected key" in str(err) or "Error(s) in loading" in str(err):
-                raise ValueError(
-                    f"{pretrained_model_name_or_path} does not hold a BlockPilot policy matching its config: {err}"
-                ) from err
-            raise
+                f"{source} is not a BlockPilot policy checkpoint (its config has {has}); pass the policy's repo id "
+                "or directory, not the drafter's or the target's"
+            )
+        policy_class = POLICY_CLASSES[architecture]
+        if not issubclass(policy_class, cls):
+            raise ValueError(f"{source} holds a {policy_class.__name__} ({architecture}), not a {cls.__name__}")
+        parameters = inspect.signature(policy_class.__init__).parameters
+        missing = [n for n, p in parameters.items() if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+        missing = [n for n in missing if n != "self" and n not in config]
+        if missing:
+            raise ValueError(f"{source} is not a BlockPilot policy checkpoint: its config lacks {missing}")
+        known = set(parameters) | set(inspect.signature(BlockPilotPolicy.__init__).parameters)
+        unknown = set(config) - known - _LEGACY_KEYS
+        if unknown:
+            raise ValueError(
+                f"{source}: config fields {sorted(unknown)} are not {policy_class.__name__}'s; it was written by "
+                "another hf-blockpilot version (upgrade the package)"
+            )
+        policy = policy_class(**{k: v for k, v in config.items() if k in known})
+        state = safetensors.torch.load_file(fetch("model.safetensors"), device=map_location)
+        expected = policy.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        problems = [f"missing {missing}"] * bool(strict and missing) + [f"unexpected {unexpected}"] * bool(
+            strict and unexpected
+        )
+        problems += [
+            f"{name}: {tuple(state[name].shape)} in the file, {tuple(t.shape)} for its config"
+            for name, t in expected.items()
+            if name in state and state[name].shape != t.shape
+        ]
+        if problems:
+            raise ValueError(f"{source} does not hold a BlockPilot policy matching its config: {'; '.join(problems)}")
+        policy.load_state_dict(state, strict=strict)
+        return policy.eval()
+
+
+class PrefillMLPPolicy(BlockPilotPolicy):
+    """Ours: an MLP over `prefill_features` of `feature_layers` (a LayerNorm over the hidden-state features, a
+    `width`-wide GELU layer) plus a linear path from the scalar features; one output per candidate."""
+
+    architecture = "prefill-mlp"
+
+    def __init__(
+        self,
+        candidates: list[int],
+        feature_layers: list[int],
+        target_hidden_size: int,
+        target_vocab_size: int,
+        target_num_layers: int,
+        width: int = 64,
+        dropout: float = 0.1,
+        **common: Any,
+    ):
+        """`common`: the fields every policy has (see `BlockPilotPolicy`)."""
+        super().__init__(candidates, target_vocab_size, **common)
+        self.feature_layers = list(feature_layers)
+        self.target_hidden_size = target_hidden_size
+        self.target_num_layers = target_num_layers
+        feature_dim = 2 * len(feature_layers) * target_hidden_size + NUM_SCALAR_FEATURES
+        # LayerNorm over the hidden-state features only: the O(1) scalars (the temperature among them) would
+        # vanish next to the hidden states' outlier dimensions; they join the network as they are.
+        self.input_norm = nn.LayerNorm(feature_dim - NUM_SCALAR_FEATURES)
+        self.net = nn.Sequential(
+            nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
+        )
+        # a linear path from the scalars to the choice: the temperature's effect is easy to learn from few prompts
+        self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
+        self.to(self.parameter_dtype)  # before loading, so a bf16 checkpoint stays bf16 in memory
+
+    def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
+        return prefill_features(prefill_outputs, self.feature_layers, lm_head, temperature)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Outputs per candidate for (batch, D) features: logits, or τ head outputs (see `predicted_tau`)."""
+        features = features.to(self.input_norm.weight.dtype)
+        hidden, scalars = features[:, :-NUM_SCALAR_FEATURES], features[:, -NUM_SCALAR_FEATURES:]
+        return self.net(torch.cat([self.input_norm(hidden), scalars], dim=-1)) + self.scalar_head(scalars)
+
+    def _shape_problems(self, target: nn.Module) -> list[str]:
+        text_config = target.config.get_text_config()
+        problems = super()._shape_problems(target)
+        if text_config.hidden_size != self.target_hidden_size:
+            problems.append(f"hidden size {text_config.hidden_size} != {self.target_hidden_size}")
+        if text_config.num_hidden_layers != self.target_num_layers:
+            problems.append(f"{text_config.num_hidden_layers} layers != {self.target_num_layers}")
+        return problems
+
+
+class LastLogitsMLPPolicy(BlockPilotPolicy):
+    """The BlockPilot authors' predictor over the target's raw last-token logits (`LastLogitsMLP`, `depth` layers
+    of `width`); `hf-blockpilot import-policy` converts their checkpoints. It does not read the temperature."""
+
+    architecture = "last-logits-mlp"
+
+    def __init__(
+        self,
+        candidates: list[int],
+        target_vocab_size: int,
+        width: int = 64,
+        depth: int = 1,
+        dropout: float = 0.1,
+        **common: Any,
+    ):
+        """`common`: the fields every policy has (see `BlockPilotPolicy`)."""
+        super().__init__(candidates, target_vocab_size, **common)
+        self.logits_mlp = LastLogitsMLP(target_vocab_size, width, depth, len(candidates), dropout)
+        self.to(self.parameter_dtype)
+
+    def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
+        return last_token_logits(prefill_outputs, lm_head)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Outputs per candidate for (batch, V) last-token logits."""
+        return self.logits_mlp(features.to(self.logits_mlp.fc_out.weight.dtype))
+
+
+#: The policy class of each `architecture` a checkpoint's config may name.
+POLICY_CLASSES: dict[str, type[BlockPilotPolicy]] = {c.architecture: c for c in (PrefillMLPPolicy, LastLogitsMLPPolicy)}

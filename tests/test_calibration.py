@@ -9,7 +9,14 @@ import torch
 from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 from test_policy_training import CANDIDATES, _records
 
-from hf_blockpilot import AcceptanceModel, AdaptiveVerify, BlockPilotPolicy, CostModel, DraftedRound
+from hf_blockpilot import (
+    AcceptanceModel,
+    AdaptiveVerify,
+    BlockPilotPolicy,
+    CostModel,
+    DraftedRound,
+    PrefillMLPPolicy,
+)
 from hf_blockpilot.training.calibration import RoundRecorder, fit_acceptance_model
 from hf_blockpilot.training.policy_training import PolicyTrainingConfig, objective_values, train_policy
 
@@ -67,7 +74,7 @@ def test_soft_labels_and_lookup_rows():
 
 def test_policy_carries_the_verify_model_through_save_and_strict_load(tmp_path):
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, seed=0)
-    policy = BlockPilotPolicy(
+    policy = PrefillMLPPolicy(
         candidates=[2, 6], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB, target_num_layers=4
     )
     acceptance = AcceptanceModel(
@@ -87,7 +94,7 @@ def test_policy_carries_the_verify_model_through_save_and_strict_load(tmp_path):
     assert controller.acceptance == acceptance and controller.cost_model is None
     assert "calibrated" in controller.describe()
     # a policy without one falls back to the entropy bound
-    bare = BlockPilotPolicy(
+    bare = PrefillMLPPolicy(
         candidates=[2, 6], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB, target_num_layers=4
     )
     assert "entropy bound" in AdaptiveVerify(policy=bare).describe()
@@ -110,7 +117,9 @@ def test_train_policy_fits_and_stores_the_acceptance_model_and_uses_modeled_time
     cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
     for i, r in enumerate(records):
         r.slot_rows = [[0, 0.9, 0.2, 0, float(i % 3 > 0)], [1, 0.5, 1.0, 0, float(i % 2)]] * 12
-    policy, _ = train_policy(records, CANDIDATES, [1], target, drafter, PolicyTrainingConfig(epochs=20), cost)
+    policy, _ = train_policy(
+        records, CANDIDATES, [1], target, drafter, PolicyTrainingConfig(objective="throughput", epochs=20), cost
+    )
     assert policy.acceptance_model is not None and policy.acceptance_model.rounds == 60 * 12
     assert policy.cost_model == cost
     # labels with modeled times (collected under the adaptive controller) are scored by them
@@ -127,7 +136,7 @@ def test_a_policy_trained_on_composed_labels_serves_under_adaptive_verify_by_def
     fully verified labels keeps every draft verified. Mixed labels are refused."""
     target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=4, seed=0)
     cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
-    config = PolicyTrainingConfig(epochs=5)
+    config = PolicyTrainingConfig(objective="throughput", epochs=5)
     composed = _records(30)
     for r in composed:
         r.controller = "adaptive"
@@ -148,7 +157,7 @@ def test_a_policy_trained_on_composed_labels_serves_under_adaptive_verify_by_def
         assert torch.equal(out, expected)
         assert drafter.last_stats.controller.startswith(f"guarded({served_by}")
     with pytest.raises(ValueError, match="label_controller"):
-        BlockPilotPolicy(
+        PrefillMLPPolicy(
             candidates=[2],
             feature_layers=[1],
             target_hidden_size=HIDDEN,

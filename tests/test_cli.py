@@ -257,10 +257,10 @@ def test_asking_for_cuda_without_it_is_a_usage_error(capsys):
 def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     """Loading a policy from a directory printed "Loading weights from local directory" into stdout (and into
     --json output); stdout is the answer and the results line, or the answer and the JSON record."""
-    from hf_blockpilot import BlockPilotPolicy
+    from hf_blockpilot import PrefillMLPPolicy
 
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
-    BlockPilotPolicy(
+    PrefillMLPPolicy(
         candidates=[2, 4], feature_layers=[1], target_hidden_size=64, target_vocab_size=48, target_num_layers=4
     ).save_pretrained(tmp_path / "policy")
     args = [

@@ -188,7 +188,7 @@ def test_dflash2_works_under_the_policy_and_the_adaptive_controller(tmp_path):
     drafter = BlockDiffusionDrafter.from_pretrained(tmp_path / "d").eval()
     policy = make_policy(target, drafter, candidates=(3, 6))
     cost = CostModel(target_ms={1: 10.0, 16: 14.0}, drafter_ms={16: 1.0})
-    verified = {"BlockPilotPolicy": 0, "AdaptiveVerify": 0}
+    verified = {"PrefillMLPPolicy": 0, "AdaptiveVerify": 0}
     for seed in range(4):
         prompt = torch.randint(1, 47, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
         plain = greedy_generate(target, prompt, 20, None)
@@ -202,7 +202,7 @@ def test_dflash2_works_under_the_policy_and_the_adaptive_controller(tmp_path):
             assert torch.equal(got, plain), (seed, controller)
             assert drafter.last_stats.drafter_forwards > 0  # the selector ran (the controller may verify none)
             verified[type(controller).__name__] += sum(drafter.last_stats.drafted_per_round)
-    assert verified["BlockPilotPolicy"] > 0
+    assert verified["PrefillMLPPolicy"] > 0
 
 
 def test_training_a_dflash2_drafter_is_refused():

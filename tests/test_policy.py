@@ -8,13 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
-from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy
+from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy, LastLogitsMLPPolicy, PrefillMLPPolicy
 from hf_blockpilot.policy import NUM_SCALAR_FEATURES, checked_feature_layers, drafter_fingerprint, prefill_features
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
@@ -27,7 +28,7 @@ def target():
 
 def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0, prompt_lookup=False) -> BlockPilotPolicy:
     torch.manual_seed(seed)
-    return BlockPilotPolicy(
+    return PrefillMLPPolicy(
         candidates=list(candidates),
         feature_layers=[1, 3],
         target_hidden_size=HIDDEN,
@@ -198,7 +199,8 @@ def test_attaching_to_another_target_errors_and_another_drafter_warns(target):
         _greedy(target, _prompt(), assistant_model=second)
 
 
-def test_a_policy_tuned_for_another_device_warns(target):
+def test_a_classifier_tuned_for_another_device_warns_a_tau_policy_does_not(target):
+    """A classifier learnt the best width under another device's costs; a τ policy weighs this machine's."""
     import warnings
 
     drafter = make_drafter(target, block_size=4)
@@ -209,7 +211,11 @@ def test_a_policy_tuned_for_another_device_warns(target):
         warnings.simplefilter("error")  # same device: silent
         _greedy(target, _prompt(), assistant_model=drafter)
     policy.report = {"cost_model_device": "cuda:0"}
-    with pytest.warns(UserWarning, match="measured on cuda:0, but the target runs on cpu.*measure-cost"):
+    with pytest.warns(UserWarning, match="measured on cuda:0, but the target runs on cpu.*--objective tau"):
+        _greedy(target, _prompt(), assistant_model=drafter)
+    policy.objective = "tau"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _greedy(target, _prompt(), assistant_model=drafter)
 
 
@@ -273,7 +279,7 @@ def test_save_pretrained_writes_a_model_card_from_the_template(tmp_path, target)
     policy = BlockPilotPolicy.from_pretrained(tmp_path / "first")
     assert policy.report is None
     torch.manual_seed(0)
-    policy = BlockPilotPolicy(
+    policy = PrefillMLPPolicy(
         **{**json.loads((tmp_path / "first" / "config.json").read_text()), "report": asdict(report)}
     )
     policy.save_pretrained(tmp_path / "p")
@@ -361,3 +367,113 @@ def test_the_drafter_fingerprint_is_hashed_once_per_version_of_the_weight(target
     with torch.inference_mode():
         frozen = make_drafter(target)
         assert drafter_fingerprint(frozen) == drafter_fingerprint(frozen) and len(hashes) == 4  # no version: rehash
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "policies-0.1"
+
+
+@pytest.mark.parametrize(
+    ("architecture", "policy_class", "width"),
+    [
+        ("prefill-mlp", PrefillMLPPolicy, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES),
+        ("last-logits-mlp", LastLogitsMLPPolicy, VOCAB),
+    ],
+)
+def test_checkpoints_of_the_one_class_version_load_by_architecture_and_behave_as_before(
+    architecture, policy_class, width
+):
+    """Checkpoints written when one class served both architectures (tests/fixtures/policies-0.1, with what
+    they computed then) load as their architecture's class and give the same outputs and choices."""
+    expected = json.loads((FIXTURES / "expected.json").read_text())[architecture]
+    policy = BlockPilotPolicy.from_pretrained(FIXTURES / architecture)
+    assert type(policy) is policy_class and policy.weighs_costs is False
+    features = torch.randn(8, width, generator=torch.Generator().manual_seed(1)) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(policy(features), torch.tensor(expected["logits"]))
+    assert [policy.candidates[i] for i in policy(features).argmax(1).tolist()] == expected["choices"]
+    assert type(policy_class.from_pretrained(FIXTURES / architecture)) is policy_class
+    other = LastLogitsMLPPolicy if policy_class is PrefillMLPPolicy else PrefillMLPPolicy
+    with pytest.raises(
+        ValueError, match=f"holds a {policy_class.__name__} \\({architecture}\\), not a {other.__name__}"
+    ):
+        other.from_pretrained(FIXTURES / architecture)
+    # the served controller is what it was: the prefill one's labels were cut by AdaptiveVerify
+    assert policy.serving_controller == ("adaptive" if architecture == "prefill-mlp" else "fixed")
+
+
+def test_the_base_class_is_not_a_policy_and_configs_name_their_class(tmp_path, target):
+    with pytest.raises(TypeError, match="construct PrefillMLPPolicy or LastLogitsMLPPolicy"):
+        BlockPilotPolicy(candidates=[2, 4], target_vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="'last-logits-mlp' is LastLogitsMLPPolicy's, not PrefillMLPPolicy's"):
+        PrefillMLPPolicy([2], [1], HIDDEN, VOCAB, LAYERS, architecture="last-logits-mlp")
+    policy = make_policy(target)
+    policy.save_pretrained(tmp_path / "p")
+    config = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert config["architecture"] == "prefill-mlp" and config["objective"] == "throughput"
+    again = PrefillMLPPolicy(**config)  # a saved config round-trips through the constructor
+    assert again.candidates == policy.candidates and again.label_controller == policy.label_controller
+    target.save_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match="is not a BlockPilot policy checkpoint"):
+        BlockPilotPolicy.from_pretrained(tmp_path / "target")
+    (tmp_path / "p" / "config.json").write_text(json.dumps({**config, "width": 8}))
+    with pytest.raises(ValueError, match=r"net.0.weight: \(16, 261\) in the file, \(8, 261\) for its config"):
+        BlockPilotPolicy.from_pretrained(tmp_path / "p")
+    (tmp_path / "p" / "config.json").write_text(json.dumps({**config, "architecture": "transformer"}))
+    with pytest.raises(ValueError, match="architecture 'transformer'"):
+        BlockPilotPolicy.from_pretrained(tmp_path / "p")
+
+
+def _tau_policy(target, drafter, candidates=(1, 2, 4, 8), accept=0.8):
+    """A τ-predicting policy whose prediction is the same for every prompt: τ(b) = 1 + accept (b - 1)."""
+    policy = make_policy(target, drafter, candidates=candidates)
+    policy.objective = "tau"
+    with torch.no_grad():
+        for module in (policy.net[-1], policy.scalar_head):
+            module.weight.zero_()
+            module.bias.zero_()
+        policy.net[-1].bias.fill_(math.log(accept / (1 - accept)))
+    return policy
+
+
+def test_a_tau_policy_picks_wide_blocks_where_a_wide_verify_is_cheap_and_narrow_ones_where_not(target):
+    """The same prefill, the same checkpoint: under a flat cost model (a 16-token verify about one plain step,
+    as on a GPU or AMX in bf16) it picks the widest block, under a steep one (every token a plain step's cost, as
+    float32 on a small CPU) a narrow one; greedy output equals plain decoding under both."""
+    from hf_blockpilot import AdaptiveVerify, CostModel
+
+    drafter = make_drafter(target, block_size=4)
+    policy = _tau_policy(target, drafter)
+    assert policy.weighs_costs and policy.serving_controller == "adaptive"
+    flat = CostModel(target_ms={1: 30.0, 8: 31.0}, drafter_ms={2: 2.0, 8: 2.5})
+    steep = CostModel(target_ms={1: 30.0, 2: 40.0, 8: 240.0}, drafter_ms={2: 2.0, 8: 2.5})
+    prompt = _prompt(3)
+    expected = _greedy(target, prompt)
+    widths = {}
+    for name, cost in (("flat", flat), ("steep", steep)):
+        out = _greedy(
+            target, prompt, assistant_model=drafter, draft_controller=AdaptiveVerify(policy=policy, cost_model=cost)
+        )
+        assert torch.equal(out, expected)
+        widths[name] = drafter.last_stats.block_size
+        # the scores it reports are its predicted τ(b), whatever the costs
+        assert drafter.last_stats.policy_probs == pytest.approx({1: 1.0, 2: 1.8, 4: 3.4, 8: 6.6}, rel=1e-5)
+    assert widths == {"flat": 8, "steep": 2}
+    out = policy.features(target(prompt, output_hidden_states=True), target.get_output_embeddings())
+    assert out.shape[1] == 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES
+
+
+def test_a_tau_policy_is_served_by_default_under_adaptive_verify_with_this_machines_costs(target, monkeypatch):
+    """With no controller passed, generate resolves this machine's cost model and the policy weighs it."""
+    from hf_blockpilot import CostModel, candidate_generator
+
+    drafter = make_drafter(target, block_size=4)
+    drafter.set_policy(_tau_policy(target, drafter))
+    for cost, width in (
+        (CostModel(target_ms={1: 30.0, 8: 31.0}, drafter_ms={2: 2.0, 8: 2.5}), 8),
+        (CostModel(target_ms={1: 30.0, 2: 40.0, 8: 240.0}, drafter_ms={2: 2.0, 8: 2.5}), 2),
+    ):
+        monkeypatch.setattr(candidate_generator, "resolve_cost_model", lambda *args, c=cost: c)
+        out = _greedy(target, _prompt(4), assistant_model=drafter)
+        assert torch.equal(out, _greedy(target, _prompt(4)))
+        assert drafter.last_stats.block_size == width
+        assert drafter.last_stats.controller.startswith("guarded(adaptive(policy")

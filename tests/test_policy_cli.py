@@ -281,7 +281,7 @@ def test_a_policy_trained_on_prompt_lookup_labels_records_it(tmp_path):
     assert "drafter.prompt_lookup = True" in card
 
 
-def test_composed_labels_under_the_adaptive_controller(tmp_path):
+def test_composed_labels_under_the_adaptive_controller(tmp_path, capsys):
     """collect records rounds and modeled times; train-policy fits the acceptance model into the policy; a second
     collect labels the drafting width *with* AdaptiveVerify (that model) cutting each round."""
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
@@ -347,8 +347,14 @@ def test_composed_labels_under_the_adaptive_controller(tmp_path):
                 str(tmp_path / "p2"),
                 "--acceptance-model",
                 str(tmp_path / "p1" / "acceptance_model.json"),
+                "--objective",
+                "throughput",
             ]
         )
         == 0
     )
+    # the τ objective learns fully verified rounds only: composed labels are refused with the fix named
+    tau = ["train-policy", *models, "--labels", str(tmp_path / "adaptive"), "--output", str(tmp_path / "p3")]
+    assert main(tau) == 2
+    assert "collect the labels without --adaptive" in capsys.readouterr().err
     assert BlockPilotPolicy.from_pretrained(tmp_path / "p2").acceptance_model == first.acceptance_model

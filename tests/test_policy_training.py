@@ -109,7 +109,9 @@ def test_policy_learns_a_temperature_dependent_choice():
     train, held = split_by_prompt(records, 0.2, seed=0)
     assert not {r.id for r in train} & {r.id for r in held} and len(held) == 2 * 60
     target = make_target("qwen3", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
-    config = PolicyTrainingConfig(loss="ce", epochs=300, patience=100, learning_rate=1e-2, dropout=0.0, width=16)
+    config = PolicyTrainingConfig(
+        loss="ce", objective="throughput", epochs=300, patience=100, learning_rate=1e-2, dropout=0.0, width=16
+    )
     cost = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
     _, report = train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, cost)
     cold, hot = report.by_temperature["0"], report.by_temperature["1"]
@@ -117,3 +119,38 @@ def test_policy_learns_a_temperature_dependent_choice():
     assert cold["chosen"][8] > 0.9 * cold["validation_prompts"], cold
     assert hot["chosen"][4] > 0.9 * hot["validation_prompts"], hot
     assert report.policy_value > report.best_fixed_value  # no single b serves both temperatures
+
+
+def test_a_tau_policy_learns_acceptance_and_prices_it_with_whichever_costs_it_is_given():
+    """Labels are τ(b) only (no machine in them). The trained policy predicts τ per prompt; priced with a steep
+    cost model hard prompts decode plain, with a flat one (a wide verify about a plain step) they draft b = 4:
+    one checkpoint, each machine's best width (its per-prompt oracle) for most prompts."""
+    target = make_target("qwen3", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
+    config = PolicyTrainingConfig(epochs=400, patience=100, learning_rate=1e-2, dropout=0.0, width=16)
+    assert config.objective == "tau"  # the default
+    steep = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
+    flat = CostModel(target_ms={1: 50.0, 4: 50.0, 8: 60.0}, drafter_ms={4: 2.0, 8: 2.0})
+    records = _records(800)
+    policy, report = train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, steep)
+    assert policy.objective == "tau" and policy.weighs_costs and policy.training_loss == "tau-log-mse"
+    tau = torch.tensor([[r.tau[b] for b in CANDIDATES[1:]] for r in records])
+    constant_error = float(((tau.mean(0) - tau).abs() / tau).mean())  # predicting the mean τ(b) for every prompt
+    assert report.tau_error < 0.6 * constant_error, (report, constant_error)
+    assert report.accuracy > 0.65 and report.policy_value > report.best_fixed_value, report
+    x = torch.tensor([r.features for r in records])
+    with torch.no_grad():
+        predicted = policy.predicted_tau(policy(x))
+    full_tau = torch.tensor([[r.tau[b] for b in CANDIDATES] for r in records])
+    choices = {}
+    for name, cost in (("steep", steep), ("flat", flat)):
+        ms = torch.tensor([cost.round_ms(b) for b in CANDIDATES])
+        choices[name] = (predicted / ms).argmax(1)
+        oracle = (full_tau / ms).argmax(1)  # each prompt's best width on that machine
+        assert (choices[name] == oracle).float().mean() > 0.8, name
+    # where the hard prompts go differs between the machines: b = 1 against b = 4
+    hard = torch.tensor([r.tau[8] < 2 for r in records])
+    assert (choices["steep"][hard] == 0).float().mean() > 0.8 and (choices["flat"][hard] == 1).float().mean() > 0.8
+    with pytest.raises(ValueError, match="leave the loss unset"):
+        train_policy(records, CANDIDATES, [1], target, make_drafter(target), replace(config, loss="ce"), steep)
+    with pytest.raises(ValueError, match="pass a cost model"):
+        train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, None)

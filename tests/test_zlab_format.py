@@ -386,11 +386,11 @@ def test_loading_a_target_checkpoint_as_drafter_fails_clearly(tmp_path, family):
 
 
 def test_drafter_and_policy_checkpoints_are_not_taken_for_each_other(tmp_path):
-    from hf_blockpilot import BlockPilotPolicy
+    from hf_blockpilot import BlockPilotPolicy, PrefillMLPPolicy
 
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN)
     make_drafter(target).save_pretrained(tmp_path / "drafter")
-    BlockPilotPolicy(
+    PrefillMLPPolicy(
         candidates=[1, 4],
         feature_layers=[1],
         target_hidden_size=HIDDEN,

@@ -87,64 +87,24 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 def cmd_train_policy(args: argparse.Namespace) -> int:
     from dataclasses import asdict
-    from pathlib import Path
 
-    from ..training.oracle import read_oracle_labels
-    from ..training.policy_training import PolicyTrainingConfig, train_policy
+    from ..training.policy_training import PolicyTrainingConfig, read_label_manifest, train_policy_from_labels
 
-    labels = Path(args.labels)
-    if not (labels / "manifest.json").is_file():
-        raise FileNotFoundError(
-            f"no labels in {labels} (no manifest.json): collect them first with "
-            f"`hf-blockpilot collect --output-dir {labels}`"
-        )
-    manifest = json.loads((labels / "manifest.json").read_text())
-    cost_path = Path(args.cost_model) if args.cost_model else labels / "cost_model.json"
-    cost = load_cost_model(cost_path) if args.cost_model or cost_path.exists() else None
-    target, _, drafter = load_models(args)
-    records = read_oracle_labels(labels)
-    missing_costs = sorted(set(args.candidates or manifest["candidates"]) - set(cost.target_ms)) if cost else []
-    if missing_costs:
-        raise ValueError(
-            f"the cost model {cost_path} has no latency for block sizes {missing_costs}; measure them "
-            "with `hf-blockpilot measure-cost --candidates ...` or pass --candidates without them"
-        )
+    read_label_manifest(args.labels, args.candidates)  # bad input fails before any model is loaded
     config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed)
-    candidates = args.candidates or manifest["candidates"]
-    missing = sorted(set(candidates) - set(manifest["candidates"]))
-    if missing:
-        raise ValueError(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
+    target, _, drafter = load_models(args)
+    cost = load_cost_model(args.cost_model) if args.cost_model else None
     acceptance = load_acceptance_model(args.acceptance_model) if args.acceptance_model else None
-    policy, report = train_policy(
-        records,
-        candidates,
-        manifest["feature_layers"],
-        target,
-        drafter,
-        config,
-        cost,
-        prompt_lookup=manifest.get("prompt_lookup", False),
-        acceptance=acceptance,
+    _, report, comparison = train_policy_from_labels(
+        args.labels, args.output, target, drafter, config, cost, args.candidates, acceptance
     )
-    policy.save_pretrained(args.output)
-    if policy.acceptance_model is not None:
-        (Path(args.output) / "acceptance_model.json").write_text(
-            json.dumps(policy.acceptance_model.to_dict(), indent=2)
-        )
-    policy.generate_model_card().save(Path(args.output) / "README.md")  # save_pretrained keeps an existing card
-    (Path(args.output) / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
-    if cost is not None:
-        from ..training.policy_training import compare_objectives
-
-        comparison = compare_objectives(records, candidates, cost)
-        (Path(args.output) / "objectives.json").write_text(json.dumps(comparison, indent=2))
-        for name, row in comparison.items():
-            print(
-                f"labels by {name}: best fixed b={row['best_fixed_b']}, oracle {row['oracle_tokens_per_second']:.1f} "
-                f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), "
-                f"oracle b counts {row['oracle_counts']}"
-            )
+    for name, row in (comparison or {}).items():
+        print(
+            f"labels by {name}: best fixed b={row['best_fixed_b']}, oracle {row['oracle_tokens_per_second']:.1f} "
+            f"modeled tok/s (fixed {row['best_fixed_tokens_per_second']:.1f}), "
+            f"oracle b counts {row['oracle_counts']}"
+        )
     return 0
 
 
@@ -323,13 +283,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="a subset of the collected block sizes",
     )
-    p.add_argument("--loss", choices=["regret", "ce"], default=training.loss)
-    p.add_argument("--objective", choices=["throughput", "acceptance"], default=training.objective)
+    p.add_argument(
+        "--objective",
+        choices=["tau", "throughput", "acceptance"],
+        default=training.objective,
+        help="tau: predict τ(b), priced per request by the serving machine's costs (travels across machines); "
+        "throughput / acceptance: classify the best width (under --cost-model / by τ alone)",
+    )
+    p.add_argument(
+        "--loss", choices=["regret", "ce"], default=None, help="the classifying objectives' loss (default regret)"
+    )
     p.add_argument(
         "--cost-model",
         default=None,
-        help="a cost_model.json measured on the device you serve on (`hf-blockpilot measure-cost`); "
-        "default: the one `collect` measured in --labels",
+        help="a cost_model.json (`hf-blockpilot measure-cost`): what the classifiers learn the best width under "
+        "(default: the one `collect` measured in --labels) / what prices the tau report (default: this machine's)",
     )
     p.add_argument(
         "--acceptance-model",

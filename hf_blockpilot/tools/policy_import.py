@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..policy import BlockPilotPolicy, drafter_fingerprint
+from ..policy import LastLogitsMLPPolicy, drafter_fingerprint
 
 AUTHORS_CANDIDATES = (14, 15, 16, 17, 18)  # `k = pred + 14` in their predict.py
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(weight|bias)")
@@ -60,8 +60,8 @@ def import_authors_policy(
     candidates: Sequence[int] = AUTHORS_CANDIDATES,
     target_name: str = "",
     drafter_name: str = "",
-) -> BlockPilotPolicy:
-    """A `BlockPilotPolicy` (architecture `"last-logits-mlp"`) with the weights of the authors' `model.pt`
+) -> LastLogitsMLPPolicy:
+    """A `LastLogitsMLPPolicy` with the weights of the authors' `model.pt`
     (a path, or what `read_authors_predictor` read from it).
 
     `target`: the model whose last-token logits it reads (its vocabulary must be the predictor's input width);
@@ -84,13 +84,9 @@ def import_authors_policy(
             f"({list(candidates)}); pass one block size per class, in class order"
         )
     dtype = state["fc_out.weight"].dtype
-    text_config = target.config.get_text_config()
-    policy = BlockPilotPolicy(
+    policy = LastLogitsMLPPolicy(
         candidates=list(candidates),
-        feature_layers=[],
-        target_hidden_size=text_config.hidden_size,
         target_vocab_size=target_vocab,
-        target_num_layers=text_config.num_hidden_layers,
         width=width,
         depth=depth,
         dropout=0.2,  # theirs; inactive in eval mode
@@ -98,7 +94,6 @@ def import_authors_policy(
         drafter_name=drafter_name,
         drafter_fingerprint=drafter_fingerprint(drafter) if drafter is not None else "",
         training_loss="imported from the BlockPilot authors' predictor (cross-entropy to the best block size)",
-        architecture="last-logits-mlp",
         dtype=str(dtype).removeprefix("torch."),
     )
     try:

@@ -1,10 +1,13 @@
-"""BlockPilot policy training: a measured cost model, cost-aware objectives, regret or cross-entropy loss."""
+"""BlockPilot policy training: τ(b) regression (objective `"tau"`, hardware-free; the default) or a classifier of
+the best width (objectives `"throughput"` / `"acceptance"`, regret or cross-entropy loss)."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -12,10 +15,11 @@ from transformers import PreTrainedModel
 
 from ..controllers import AcceptanceModel
 from ..costs import CostModel
+from ..device_calibration import resolve_cost_model
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from ..policy import BlockPilotPolicy
+from ..policy import OBJECTIVES, PrefillMLPPolicy
 from .calibration import fit_acceptance_model
-from .oracle import OracleRecord
+from .oracle import OracleRecord, read_oracle_labels
 
 
 def objective_values(
@@ -26,17 +30,27 @@ def objective_values(
     under the adaptive controller, whose rounds differ in cost), else τ(b) / round latency."""
     if objective == "acceptance":
         return [record.tau[b] for b in candidates]
+    if objective == "tau":  # the labels are hardware-free: price τ with the given (local) cost model
+        return local_throughput(record, candidates, cost)
     if record.ms and all(record.ms.get(b, 0) > 0 for b in candidates):
         return [1000.0 * record.new_tokens / record.ms[b] for b in candidates]
+    return local_throughput(record, candidates, cost)
+
+
+def local_throughput(record: OracleRecord, candidates: Sequence[int], cost: CostModel | None) -> list[float]:
+    """Per candidate: modeled tokens per second with every draft verified, τ(b) / round latency under `cost`."""
     if cost is None:
-        raise ValueError("the `throughput` objective needs a cost model (hf-blockpilot collect measures one)")
+        raise ValueError("pricing widths needs a cost model (`hf-blockpilot calibrate` measures this machine's)")
     return [1000.0 * record.tau[b] / cost.round_ms(b, record.temperature) for b in candidates]
 
 
 @dataclass
 class PolicyTrainingConfig:
-    loss: str = "regret"  # "regret" (expected regret) or "ce" (cross-entropy to the oracle b, smoothed)
-    objective: str = "throughput"
+    #: "tau" (predict τ(b), priced at request time by the local cost model), "throughput" or "acceptance"
+    objective: str = "tau"
+    #: the classifiers' loss: "regret" (expected regret) or "ce" (cross-entropy to the oracle b, smoothed); None:
+    #: regret for them, the squared log error of τ(b) for "tau" (its only loss)
+    loss: str | None = None
     label_smoothing: float = 0.1
     epochs: int = 300
     learning_rate: float = 3e-3
@@ -64,6 +78,7 @@ class PolicyReport:
     validation_prompts: int = 0
     by_temperature: dict[str, dict] = field(default_factory=dict)  # the same metrics per label temperature
     cost_model_device: str = ""  # where the throughput objective's round latencies were measured
+    tau_error: float | None = None  # objective "tau": mean |τ̂(b) - τ(b)| / τ(b) over the drafting candidates
 
 
 def split_by_prompt(records: Sequence[OracleRecord], fraction: float, seed: int) -> tuple[list, list]:
@@ -105,21 +120,41 @@ def train_policy(
     cost: CostModel | None = None,
     prompt_lookup: bool = False,
     acceptance: AcceptanceModel | None = None,
-) -> tuple[BlockPilotPolicy, PolicyReport]:
-    """Fit a `BlockPilotPolicy` on oracle records: early stopping on validation regret, metrics on a test split
+) -> tuple[PrefillMLPPolicy, PolicyReport]:
+    """Fit a `PrefillMLPPolicy` on oracle records: early stopping on the validation split, metrics on a test split
     of prompts it never saw. `prompt_lookup`: the records label decoding with prompt lookup on (recorded in the
-    policy). Records of decoding under `AdaptiveVerify` (`collect --adaptive`) make a policy that serves under it
-    by default; fixed and adaptive records cannot be mixed. The per-round controller's acceptance model
-    (`acceptance`, else fitted on the records' recorded rounds, when they have any) and `cost` are stored in the
-    policy. Returns the policy and that report."""
+    policy).
+
+    Objective `"tau"` (default): the policy learns τ(b) (squared log error) from labels of fully verified rounds,
+    which depend on no machine; `cost` (this machine's, say) only prices the report's choices. The classifying
+    objectives learn the best width under `cost` (or the records' modeled times); records of decoding under
+    `AdaptiveVerify` (`collect --adaptive`) make a policy that serves under it by default; fixed and adaptive
+    records cannot be mixed. The per-round controller's acceptance model (`acceptance`, else fitted on the
+    records' recorded rounds, when they have any) and `cost` are stored in the policy. Returns the policy and
+    the report."""
     from ..policy import drafter_fingerprint
 
+    if config.objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {config.objective!r}")
+    predicts_tau = config.objective == "tau"
+    if predicts_tau and config.loss is not None:
+        raise ValueError("the tau objective has one loss (squared log error of τ(b)): leave the loss unset")
+    loss_name = "tau-log-mse" if predicts_tau else (config.loss or "regret")
+    if loss_name not in ("tau-log-mse", "regret", "ce"):
+        raise ValueError(f"unknown loss {config.loss!r}; use 'regret' or 'ce'")
     label_controllers = {r.controller for r in records}
     if len(label_controllers) > 1:
         raise ValueError(
             "these labels mix rounds verified in full (`collect`) and cut by the per-round controller "
             "(`collect --adaptive`): their best widths differ; train on one kind"
         )
+    if predicts_tau and label_controllers != {"fixed"}:
+        raise ValueError(
+            "the tau objective learns τ(b) of fully verified rounds, which no machine's costs shaped: collect the "
+            "labels without --adaptive"
+        )
+    if predicts_tau and cost is None:
+        raise ValueError("pass a cost model (this machine's calibration, say) to price the report's choices")
     torch.manual_seed(config.seed)
     # train / validation (early stopping) / test (the reported metrics), split by prompt
     rest, test = split_by_prompt(records, config.validation_fraction, config.seed)
@@ -128,13 +163,15 @@ def train_policy(
     def tensors(rows):
         x = torch.tensor([r.features for r in rows], dtype=torch.float32)
         v = torch.tensor([objective_values(r, candidates, config.objective, cost) for r in rows])
-        return x, v
+        tau = torch.tensor([[r.tau[b] for b in candidates] for r in rows])
+        ms = torch.tensor([[cost.round_ms(b, r.temperature) for b in candidates] for r in rows]) if cost else None
+        return x, v, tau, ms
 
-    x_train, v_train = tensors(train)
-    x_val, v_val = tensors(val)
-    x_test, v_test = tensors(test)
+    x_train, v_train, tau_train, _ = tensors(train)
+    x_val, v_val, tau_val, _ = tensors(val)
+    x_test, v_test, tau_test, ms_test = tensors(test)
     text_config = target.config.get_text_config()
-    policy = BlockPilotPolicy(
+    policy = PrefillMLPPolicy(
         candidates=list(candidates),
         feature_layers=list(feature_layers),
         target_hidden_size=text_config.hidden_size,
@@ -146,31 +183,38 @@ def train_policy(
         target_name=getattr(target.config, "_name_or_path", ""),
         drafter_name=getattr(drafter.config, "_name_or_path", ""),
         drafter_fingerprint=drafter_fingerprint(drafter),
-        training_loss=config.loss,
+        training_loss=loss_name,
         prompt_lookup=prompt_lookup,
         label_controller=label_controllers.pop() if label_controllers else "fixed",
     )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)
     regret_train = (v_train.max(dim=1, keepdim=True).values - v_train) / v_train.max(dim=1, keepdim=True).values
-    best_state, best_regret, stale = None, float("inf"), 0
+
+    def tau_loss(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        return (policy.predicted_tau(policy(x)).log() - tau.log()).square().mean()
+
+    best_state, best_score, stale = None, float("inf"), 0
     for _ in range(config.epochs):
         policy.train()
         logits = policy(x_train)
-        if config.loss == "regret":
+        if predicts_tau:
+            loss = tau_loss(x_train, tau_train)
+        elif loss_name == "regret":
             loss = (logits.softmax(dim=1) * regret_train).sum(dim=1).mean()
-        elif config.loss == "ce":
-            loss = F.cross_entropy(logits, v_train.argmax(dim=1), label_smoothing=config.label_smoothing)
         else:
-            raise ValueError(f"unknown loss {config.loss!r}; use 'regret' or 'ce'")
+            loss = F.cross_entropy(logits, v_train.argmax(dim=1), label_smoothing=config.label_smoothing)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         policy.eval()
         with torch.no_grad():
-            regret = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective).regret
-        if regret < best_regret - 1e-9:
-            best_regret, stale = regret, 0
+            if predicts_tau:
+                score = float(tau_loss(x_val, tau_val))
+            else:
+                score = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective).regret
+        if score < best_score - 1e-9:
+            best_score, stale = score, 0
             best_state = {k: t.clone() for k, t in policy.state_dict().items()}
         else:
             stale += 1
@@ -179,9 +223,15 @@ def train_policy(
     policy.load_state_dict(best_state)
     policy.eval()
     with torch.no_grad():
-        chosen = policy(x_test).argmax(dim=1)
+        outputs = policy(x_test)
+        predicted = policy.predicted_tau(outputs)
+    # what serving does: a τ policy prices its prediction with the costs, a classifier takes its top class
+    chosen = (predicted / ms_test).argmax(dim=1) if predicts_tau else outputs.argmax(dim=1)
     report = evaluate_choices(v_test, chosen, candidates, config.objective)
-    if cost is not None and config.objective == "throughput":
+    if predicts_tau:
+        drafting = torch.tensor(candidates) > 1
+        report.tau_error = float(((predicted - tau_test).abs() / tau_test)[:, drafting].mean())
+    if cost is not None and config.objective in ("throughput", "tau"):
         report.cost_model_device = cost.device
     temperatures = torch.tensor([r.temperature for r in test])
     if len(set(temperatures.tolist())) > 1:
@@ -220,3 +270,71 @@ def compare_objectives(records: Sequence[OracleRecord], candidates: Sequence[int
             "oracle_tau": float(tau[rows, oracle].mean()),
         }
     return out
+
+
+def read_label_manifest(labels: str | Path, candidates: Sequence[int] | None = None) -> dict:
+    """The manifest of a `collect` directory, after checking it exists and holds `candidates` (if given)."""
+    labels = Path(labels)
+    if not (labels / "manifest.json").is_file():
+        raise FileNotFoundError(
+            f"no labels in {labels} (no manifest.json): collect them first with "
+            f"`hf-blockpilot collect --output-dir {labels}`"
+        )
+    manifest = json.loads((labels / "manifest.json").read_text())
+    missing = sorted(set(candidates or []) - set(manifest["candidates"]))
+    if missing:
+        raise ValueError(f"block sizes {missing} were not collected in {labels} (collected: {manifest['candidates']})")
+    return manifest
+
+
+def train_policy_from_labels(
+    labels: str | Path,
+    output: str | Path,
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    config: PolicyTrainingConfig,
+    cost: CostModel | None = None,
+    candidates: Sequence[int] | None = None,
+    acceptance: AcceptanceModel | None = None,
+) -> tuple[PrefillMLPPolicy, PolicyReport, dict | None]:
+    """`train_policy` on a `collect` directory, written to `output`: the checkpoint and its card, the report
+    (`training_report.json`), the acceptance model, and, with a cost model, where choosing by acceptance and by
+    throughput disagree (`objectives.json`). `cost`: default, the labels' own `cost_model.json` for the
+    classifying objectives, this machine's (`resolve_cost_model`) for the τ objective. `candidates`: a subset
+    of the collected ones. Returns the policy, its report and that comparison (or None)."""
+    labels = Path(labels)
+    manifest = read_label_manifest(labels, candidates)
+    candidates = list(candidates or manifest["candidates"])
+    if cost is None and config.objective == "tau":  # the labels have no machine: price the report on this one
+        cost = resolve_cost_model(target, drafter, max_width=max(candidates))
+    elif cost is None and (labels / "cost_model.json").is_file():
+        cost = CostModel.load(labels / "cost_model.json")
+    missing_costs = sorted(set(candidates) - {1} - set(cost.target_ms)) if cost else []
+    if missing_costs:
+        raise ValueError(
+            f"the cost model has no latency for block sizes {missing_costs}; measure them with "
+            "`hf-blockpilot measure-cost --candidates ...` or pass --candidates without them"
+        )
+    records = read_oracle_labels(labels)
+    policy, report = train_policy(
+        records,
+        candidates,
+        manifest["feature_layers"],
+        target,
+        drafter,
+        config,
+        cost,
+        prompt_lookup=manifest.get("prompt_lookup", False),
+        acceptance=acceptance,
+    )
+    output = Path(output)
+    policy.save_pretrained(output)
+    if policy.acceptance_model is not None:
+        (output / "acceptance_model.json").write_text(json.dumps(policy.acceptance_model.to_dict(), indent=2))
+    policy.generate_model_card().save(output / "README.md")  # save_pretrained keeps an existing card
+    (output / "training_report.json").write_text(json.dumps(asdict(report), indent=2))
+    comparison = None
+    if cost is not None:
+        comparison = compare_objectives(records, candidates, cost)
+        (output / "objectives.json").write_text(json.dumps(comparison, indent=2))
+    return policy, report, comparison
