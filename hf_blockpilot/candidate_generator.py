@@ -418,11 +418,10 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
 def _validate_generation_mode(
     self: GenerationMixin, generation_mode: Any, generation_config: Any, kwargs: dict
 ) -> None:
-    # Our compatibility check runs first, so a wrong drafter is named as such (stock Transformers would
-    # otherwise talk about tokenizers when the vocabularies differ).
+    # the drafter was checked against the target by `prepare_controller`, before stock `generate` began (so a
+    # wrong drafter is named as such, not as a tokenizer mismatch); here only the mode is left to check
     drafter = kwargs.get("assistant_model")
     if isinstance(drafter, BlockDiffusionDrafter):
-        drafter.check_compatible(self)
         if generation_mode != GenerationMode.ASSISTED_GENERATION:  # Transformers then ignores the assistant
             warnings.warn(
                 f"generation mode is {generation_mode.value} (e.g. num_beams > 1), so Transformers does not use the "

@@ -228,3 +228,12 @@ def test_a_drafter_with_nan_weights_fails_sampling_with_a_clear_error(target):
         drafter.fc.weight.fill_(float("nan"))
     with pytest.raises(ValueError, match="draft distribution is not finite"):
         target.generate(_prompt(), do_sample=True, max_new_tokens=8, pad_token_id=0, assistant_model=drafter)
+
+
+def test_the_drafter_is_checked_against_the_target_once_per_call(target, monkeypatch):
+    drafter = make_drafter(target, block_size=4)
+    calls = []
+    check = drafter.check_compatible
+    monkeypatch.setattr(drafter, "check_compatible", lambda t: calls.append(t) or check(t))
+    _greedy(target, _prompt(), assistant_model=drafter)
+    assert calls == [target]

@@ -7,8 +7,6 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-import torch
-
 from ._common import (
     CONTROLLERS,
     add_lookup_arg,
@@ -23,10 +21,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-    from ..controllers import DraftController
-    from ..modeling_block_diffusion import BlockDiffusionDrafter
+    pass
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -34,7 +29,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ..data import chat_inputs
     from ..device_calibration import describe_device
-    from ..tools.evaluation import timed_generate
+    from ..tools.evaluation import compare_with_plain, timed_generate
 
     target, tokenizer, drafter = load_models(args)
     controller = build_controller(args.controller, drafter, args.block_size)
@@ -79,41 +74,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(result))
     return 0 if result.get("identical_to_plain", True) else 1
-
-
-def compare_with_plain(
-    target: PreTrainedModel,
-    input_ids: torch.Tensor,
-    drafter: BlockDiffusionDrafter,
-    controller: DraftController,
-    gen: dict,
-    repeats: int,
-    answer: torch.Tensor,
-) -> dict:
-    """Both sides timed alike: warmed, no streaming, `repeats` runs each taken in turn, the median kept."""
-    from ..tools.evaluation import timed_generate
-
-    warm = dict(max_new_tokens=8, do_sample=False)
-    timed_generate(target, input_ids, drafter, draft_controller=controller, **warm)
-    timed_generate(target, input_ids, **warm)
-    ours, plain = [], []
-    for _ in range(repeats):
-        ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
-        plain.append(timed_generate(target, input_ids, **gen))
-    (out, seconds), (plain_out, plain_seconds) = (
-        sorted(runs, key=lambda run: run[1])[len(runs) // 2] for runs in (ours, plain)
-    )
-    new_tokens = out.shape[1] - input_ids.shape[1]
-    plain_tps = (plain_out.shape[1] - input_ids.shape[1]) / plain_seconds
-    result = {
-        "timed_runs": f"{repeats} per side, no streaming, after a warm-up (median)",
-        "speculative_tokens_per_second": round(new_tokens / seconds, 2),
-        "plain_tokens_per_second": round(plain_tps, 2),
-        "speedup": round(new_tokens / seconds / plain_tps, 3),
-    }
-    if not gen["do_sample"]:
-        result["identical_to_plain"] = bool(torch.equal(answer, plain_out)) and bool(torch.equal(out, plain_out))
-    return result
 
 
 def register(sub: argparse._SubParsersAction) -> None:

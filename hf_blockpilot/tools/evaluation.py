@@ -43,6 +43,41 @@ def timed_generate(
     )
 
 
+def compare_with_plain(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController,
+    gen: dict,
+    repeats: int,
+    answer: torch.Tensor,
+) -> dict:
+    """Speculative decoding with `controller` against plain `generate` on one prompt, both sides timed alike:
+    warmed, no streaming, `repeats` runs each taken in turn, the median kept. `gen`: the generate arguments;
+    `answer`: the output shown to the user (greedy: checked identical to plain too)."""
+    warm = dict(max_new_tokens=8, do_sample=False)
+    timed_generate(target, input_ids, drafter, draft_controller=controller, **warm)
+    timed_generate(target, input_ids, **warm)
+    ours, plain = [], []
+    for _ in range(repeats):
+        ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
+        plain.append(timed_generate(target, input_ids, **gen))
+    (out, seconds), (plain_out, plain_seconds) = (
+        sorted(runs, key=lambda run: run[1])[len(runs) // 2] for runs in (ours, plain)
+    )
+    new_tokens = out.shape[1] - input_ids.shape[1]
+    plain_tps = (plain_out.shape[1] - input_ids.shape[1]) / plain_seconds
+    result = {
+        "timed_runs": f"{repeats} per side, no streaming, after a warm-up (median)",
+        "speculative_tokens_per_second": round(new_tokens / seconds, 2),
+        "plain_tokens_per_second": round(plain_tps, 2),
+        "speedup": round(new_tokens / seconds / plain_tps, 3),
+    }
+    if not gen["do_sample"]:
+        result["identical_to_plain"] = bool(torch.equal(answer, plain_out)) and bool(torch.equal(out, plain_out))
+    return result
+
+
 @dataclass
 class TauReport:
     """τ per block size over a prompt set (real greedy decoding), with equality to plain decoding."""
