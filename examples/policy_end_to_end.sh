@@ -13,15 +13,14 @@ MODEL_ARGS="${MODEL_ARGS:-}"
 #   torchrun --nproc_per_node 2 -m hf_blockpilot collect ...   (or accelerate launch --multi_gpu on GPUs)
 hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels" --dataset stdlib --num-prompts "${NUM_PROMPTS:-200}" \
     --candidates ${CANDIDATES:-1 4 8 12 16 20} --max-new-tokens 128
-# collect timed the cost model on this device; to serve on another one, time it there and pass it on:
-#   hf-blockpilot measure-cost $MODEL_ARGS --device cuda --output cost_cuda.json --candidates $CANDIDATES
-#   hf-blockpilot train-policy ... --cost-model cost_cuda.json
-hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels" --output "$OUT/policy" --loss regret --objective throughput
-# A policy that serves under the per-round controller (as the embedded ones do) learns from the composed system:
-# relabel with every round cut by AdaptiveVerify, using the first policy's acceptance model, and train again
+# The labels are τ(b) per prompt and temperature: no machine in them. The policy learns τ(b); where it serves, each
+# request's width is priced by that machine's calibrated costs, so one policy serves CPUs and GPUs alike.
+hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels" --output "$OUT/policy"
+# A classifier of the best width for one machine instead (the older objective): time the costs into the labels
+# (`collect --cost-model`, or `measure-cost` on the serving device) and train with --objective throughput; to label
+# the composed system, relabel with every round cut by AdaptiveVerify and the first policy's acceptance model:
 #   hf-blockpilot collect $MODEL_ARGS --output-dir "$OUT/labels-adaptive" --adaptive --acceptance-model "$OUT/policy" ...
-#   hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels-adaptive" --acceptance-model "$OUT/policy" ...
-# (it then runs under AdaptiveVerify by default: its card says "labels' rounds: cut by the per-round controller")
+#   hf-blockpilot train-policy $MODEL_ARGS --labels "$OUT/labels-adaptive" --objective throughput ...
 hf-blockpilot evaluate-policy $MODEL_ARGS --policy "$OUT/policy" --datasets humaneval mtbench --limit "${LIMIT:-20}" \
     --output "$OUT/evaluation.json"
 if [ -n "$REPO" ]; then

@@ -53,7 +53,8 @@ def test_collect_train_evaluate(tmp_path, capsys):
             assert (r.features[-1], cold[r.id][-1]) == (1.0, 0.0)
     manifest = json.loads((labels / "manifest.json").read_text())
     assert manifest["candidates"] == [1, 3, 6] and manifest["prompt_lookup"] is False
-    assert (labels / "cost_model.json").exists()
+    # labels carry no machine by default: no cost model timed, no modeled times in the records
+    assert not (labels / "cost_model.json").exists() and not any(r.ms for r in records)
     check = json.loads((labels / "replay_check.json").read_text())
     assert check["checked"] == 4 and check["equal"] == 4 and check["speedup"] > 0
 
@@ -304,7 +305,7 @@ def test_composed_labels_under_the_adaptive_controller(tmp_path, capsys):
         "0",
         "1",
     ]
-    assert main(["collect", *models, "--output-dir", str(tmp_path / "fixed"), *common]) == 0
+    assert main(["collect", *models, "--output-dir", str(tmp_path / "fixed"), *common, "--cost-model"]) == 0
     fixed = read_oracle_labels(tmp_path / "fixed")
     assert all(r.controller == "fixed" and set(r.ms) == {1, 3, 6} and r.slot_rows for r in fixed)
     assert main(["train-policy", *models, "--labels", str(tmp_path / "fixed"), "--output", str(tmp_path / "p1")]) == 0

@@ -29,10 +29,11 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from ..training.data import unseen_prompts
     from ..training.oracle import collect_oracle_labels
 
-    if args.adaptive and not args.cost_model:
+    if args.adaptive and args.cost_model is False:
         raise ValueError(
             "--adaptive weighs each round's verify budget by the measured cost model: drop --no-cost-model"
         )
+    time_costs = args.adaptive if args.cost_model is None else args.cost_model
     target, tokenizer, drafter = load_models(args)
     prompts = []
     for name in args.dataset:  # --num-prompts of each
@@ -46,9 +47,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
         else:
             prompts += load_prompts(name, args.num_prompts)
     shard, num_shards = shard_of(args)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     cost_path = Path(args.output_dir) / "cost_model.json"
-    if shard == 0 and args.cost_model and not cost_path.exists():
-        cost_path.parent.mkdir(parents=True, exist_ok=True)
+    if shard == 0 and time_costs and not cost_path.exists():
         calibrate(target, drafter, args.candidates).cost_model.save(cost_path)
     if args.verify and shard == 0:
         from ..training.oracle import check_replay_against_decoding
@@ -246,7 +247,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[0.0, 1.0],
         help="label each prompt at these sampling temperatures (0 = greedy; T>0: expected acceptance)",
     )
-    p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="skip timing the cost model")
+    p.add_argument(
+        "--cost-model",
+        dest="cost_model",
+        action="store_true",
+        default=None,
+        help="also time this machine's cost model into the labels (modeled times per record): what --adaptive "
+        "labels and the classifying objectives need; τ labels (the default policy's) carry no machine",
+    )
+    p.add_argument("--no-cost-model", dest="cost_model", action="store_false", help="never time it (the default)")
     p.add_argument(
         "--verify",
         type=int,
