@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import ScriptedDrafter, char_tokenizer, make_drafter, make_target
 
-from hf_blockpilot.tools.demo import compare_stream, rounds_html
+from hf_blockpilot.tools.demo import compare_stream, policy_scores, rounds_html
 
 VOCAB = 48
 
@@ -197,3 +197,9 @@ def test_a_client_that_disconnects_mid_stream_stops_generation():
     finally:
         demo.close()
         slow.remove()
+
+
+def test_policy_scores_fit_a_label_whatever_the_policy_reports():
+    assert policy_scores({1: 0.25, 4: 0.75}, predicts_tau=False) == {"b=1": 0.25, "b=4": 0.75}
+    assert policy_scores({1: 1.0, 4: 2.0, 8: 2.5}, predicts_tau=True) == {"b=1": 0.4, "b=4": 0.8, "b=8": 1.0}
+    assert policy_scores(None, predicts_tau=True) == {}

@@ -164,7 +164,7 @@ def _compare_stream(
     stats = drafter.last_stats
     plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
     tps = stats.new_tokens / seconds
-    probs = {f"b={b}": p for b, p in (stats.policy_probs or {}).items()}
+    probs = policy_scores(stats.policy_probs, getattr(drafter.policy, "weighs_costs", False))
     rounds_with_drafts = max(len(stats.committed_per_draft_round), 1)
     stats_md = (
         f"**controller** {stats.controller} · **block size** {stats.block_size} · **τ** {stats.tau:.2f} · "
@@ -177,6 +177,14 @@ def _compare_stream(
         + (f" · prompt-lookup rounds {stats.lookup_rounds}" if drafter.prompt_lookup else "")
     )
     yield plain_text, rounds_html(tokenizer, rounds, stats), stats_md, probs
+
+
+def policy_scores(scores: dict[int, float] | None, predicts_tau: bool) -> dict[str, float]:
+    """The policy's score per candidate for a `gr.Label` (values in [0, 1]): probabilities as they are, a τ
+    policy's predicted τ(b) relative to the largest."""
+    scores = scores or {}
+    scale = max(scores.values(), default=1.0) if predicts_tau else 1.0
+    return {f"b={b}": value / scale for b, value in scores.items()}
 
 
 def build_demo(
@@ -213,6 +221,8 @@ def build_demo(
                 gr.Markdown("**BlockPilot** (one colour per verify round)")
                 fast = gr.HTML(elem_id="blockpilot-output")
         stats = gr.Markdown(elem_id="stats")
-        probs = gr.Label(label="policy: probability per block size", elem_id="policy-probs")
+        predicts_tau = getattr(drafter.policy, "weighs_costs", False)
+        what = "predicted τ(b), relative to the largest," if predicts_tau else "probability"
+        probs = gr.Label(label=f"policy: {what} per block size", elem_id="policy-probs")
         run_button.click(run, inputs=[prompt, max_new], outputs=[plain, fast, stats, probs], concurrency_limit=1)
     return demo.queue(default_concurrency_limit=1, max_size=MAX_QUEUED)
