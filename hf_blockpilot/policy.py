@@ -141,6 +141,9 @@ class LastLogitsMLP(nn.Module):
 #: `"throughput"` / `"acceptance"`: a distribution over the candidates, trained to put the most mass on the fastest
 #: width on the machine the labels were priced on / on the width of the longest τ (checkpoints before the τ head).
 OBJECTIVES = ("tau", "throughput", "acceptance")
+#: A τ policy drafts only where its predicted rate beats plain decoding (b = 1) by this fraction: its τ(b) are
+#: predicted with about 10 % error (held-out), so a predicted tie is as likely a loss as a gain.
+MIN_PREDICTED_GAIN = 0.05
 LABEL_CONTROLLERS = ("fixed", "adaptive")  # what verified the rounds of a policy's labels (`collect [--adaptive]`)
 DTYPES = ("float32", "bfloat16", "float16")
 #: Config keys of checkpoints written when one class served both architectures; ignored where a class has no use.
@@ -247,10 +250,11 @@ class BlockPilotPolicy(
 
     @property
     def serving_controller(self) -> str:
-        """What verifies its widths' drafts by default (`controllers.default_controller`): `"adaptive"`
-        (`AdaptiveVerify`, per round against this machine's costs) for a τ-predicting policy and for one trained
-        on labels cut by it, else `"fixed"` (every draft verified, as its labels were)."""
-        return "adaptive" if self.weighs_costs or self.label_controller == "adaptive" else "fixed"
+        """What verifies its widths' drafts by default (`controllers.default_controller`): as its labels' rounds
+        were verified, `"adaptive"` (`AdaptiveVerify`) for `collect --adaptive` labels, else `"fixed"` (every draft
+        verified: what a τ policy's prices assume; on the 2-core Xeon of docs/benchmarks.md it also measured
+        faster than `AdaptiveVerify` under the same policy in 4 of 7 settings and slower in 2)."""
+        return "adaptive" if self.label_controller == "adaptive" else "fixed"
 
     def attach_verify_model(self, acceptance: AcceptanceModel | None, cost: CostModel | None) -> None:
         """Store the per-round controller's acceptance model and cost model in this policy (and its config,
@@ -295,6 +299,15 @@ class BlockPilotPolicy(
         widths = torch.tensor(self.candidates, dtype=torch.float32, device=outputs.device)
         return 1.0 + (widths - 1.0) * torch.sigmoid(outputs.float())
 
+    def priced_choice(self, tau: torch.Tensor, round_ms: torch.Tensor) -> torch.Tensor:
+        """(...,) index of the candidate with the most expected tokens per ms, τ(b) / round latency, given (..., k)
+        predicted τ and round latencies; plain decoding (b = 1) unless a width beats it by `MIN_PREDICTED_GAIN`."""
+        rate = tau / round_ms
+        if 1 in self.candidates:  # draft only where clearly faster than plain decoding
+            rate = rate.clone()
+            rate[..., self.candidates.index(1)] *= 1.0 + MIN_PREDICTED_GAIN
+        return rate.argmax(dim=-1)
+
     @torch.no_grad()
     def choose_block_size(
         self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0, cost_model: CostModel | None = None
@@ -304,7 +317,8 @@ class BlockPilotPolicy(
 
         `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy;
         `cost_model`: this machine's costs, which a τ-predicting policy weighs its prediction against (default:
-        the shipped fallback for the device): the width with the most expected committed tokens per ms.
+        the shipped fallback for the device): the width with the most expected committed tokens per ms, plain
+        decoding unless a width is predicted `MIN_PREDICTED_GAIN` faster.
         """
         features = self.features(prefill_outputs, lm_head, temperature).to(next(self.parameters()).device)
         outputs = self(features)[0].float()
@@ -318,7 +332,7 @@ class BlockPilotPolicy(
         if self.weighs_costs:
             cost = cost_model or CostModel.default_for(features.device)
             ms = torch.tensor([cost.round_ms(b, temperature) for b in self.candidates])
-            chosen = self.candidates[int((scores / ms).argmax())]
+            chosen = self.candidates[int(self.priced_choice(scores, ms))]
         else:
             chosen = self.candidates[int(scores.argmax())]
         return chosen, {b: float(s) for b, s in zip(self.candidates, scores, strict=True)}
@@ -515,6 +529,7 @@ class LastLogitsMLPPolicy(BlockPilotPolicy):
     ):
         """`common`: the fields every policy has (see `BlockPilotPolicy`)."""
         super().__init__(candidates, target_vocab_size, **common)
+        self.feature_layers: list[int] = []  # no layer's states: only the final one, for the logits
         self.logits_mlp = LastLogitsMLP(target_vocab_size, width, depth, len(candidates), dropout)
         self.to(self.parameter_dtype)
 

@@ -24,7 +24,8 @@ class SpeculationStats:
         accepted_per_round: drafts accepted in each verify round (the bonus token not counted).
         policy_seconds: wall time spent choosing the block size.
         controller_seconds: wall time of the per-round verify decisions (confidences and the choice).
-        policy_probs: the policy's probability per candidate block size, when a policy chose it.
+        policy_probs: the policy's score per candidate block size, when a policy chose it: its probability, or
+            (a policy with objective "tau") its predicted τ(b).
         cost_model_source: where the costs the decisions weighed came from (this machine's calibration, a
             file, or a shipped fallback table).
     """

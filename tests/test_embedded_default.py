@@ -63,33 +63,39 @@ def test_default_drafter_is_lossless_and_drafts_usefully(default_pair):
     assert drafter.last_stats.tau > 1.2  # a trained drafter, not noise
 
 
-def test_policy_reads_the_prompt_and_follows_its_labels(default_pair):
-    """The embedded policy's probabilities must depend on the prompt (a constant function would be a defect). It
-    was trained on composed labels (rounds cut by `AdaptiveVerify`, as it serves), which on this CPU say width 4
-    for most prompts at T=0 and T=1 (a 4-token verify costs about one plain step; the per-round cut recovers
-    most of what wider blocks lose, so they come close): every choice should be 4, and sampling, which lowers
-    acceptance, should lower the weight on the widest block."""
-    target, tokenizer = default_pair
-    policy = resolve_policy("default")
-    assert policy is not None and policy.label_controller == "adaptive"
+@pytest.mark.parametrize("prompt_lookup", [False, True])
+def test_the_embedded_policy_predicts_acceptance_and_prices_it_with_the_given_costs(default_pair, prompt_lookup):
+    """Each embedded policy predicts τ(b) per prompt (it must depend on the prompt, stay within 1..b, and fall
+    when sampling, which lowers acceptance) and weighs it against the cost model it is given: the same prefills
+    choose wider blocks under the shipped H100 table (a 16-token verify costs about one plain step) than under the
+    shipped AMD EPYC float32 table (a wide verify costs up to two)."""
+    from hf_blockpilot import CostModel
     from hf_blockpilot.data import load_prompts
 
+    target, tokenizer = default_pair
+    policy = resolve_policy("default", prompt_lookup=prompt_lookup)
+    assert policy.objective == "tau" and policy.serving_controller == "fixed"
+    flat, steep = CostModel.default_for("cuda"), CostModel.default_for("cpu")
+    assert flat.round_ms(16) / flat.round_ms(1) < 1.5 < steep.round_ms(16) / steep.round_ms(1)
+    head = target.get_output_embeddings()
     records = load_prompts("humaneval", 3) + load_prompts("mtbench", 4) + load_prompts("gsm8k", 3)
-    widest = max(policy.candidates)
-    chosen, hot, probs = {}, {}, []
+    widths, taus = {"flat": [], "steep": []}, []
     for record in records:
         ids = chat_inputs(tokenizer, record.prompt, target.device)
         with torch.no_grad():
             out = target(ids, output_hidden_states=True, logits_to_keep=1)
-        b, p = policy.choose_block_size(out, target.get_output_embeddings())
-        assert b == max(p, key=p.get)
-        hot_b, hot_p = policy.choose_block_size(out, target.get_output_embeddings(), temperature=1.0)
-        chosen[record.id], hot[record.id] = b, hot_b
-        assert hot_p[widest] < p[widest], (record.id, p, hot_p)
-        probs.append(torch.tensor([p[c] for c in policy.candidates]))
-    spread = torch.stack(probs).std(dim=0).max().item()
-    assert spread > 0.01, f"the policy gives the same probabilities for every prompt (max std {spread:.4f})"
-    assert set(chosen.values()) == set(hot.values()) == {4}, (chosen, hot)
+        for name, cost in (("flat", flat), ("steep", steep)):
+            b, tau = policy.choose_block_size(out, head, cost_model=cost)
+            widths[name].append(b)
+        _, hot = policy.choose_block_size(out, head, temperature=1.0, cost_model=steep)
+        assert tau[1] == 1.0 and all(1.0 <= tau[b] <= b for b in policy.candidates), tau
+        widest = max(policy.candidates)
+        assert hot[widest] < tau[widest], (record.id, tau, hot)
+        taus.append(torch.tensor([tau[b] for b in policy.candidates]))
+    spread = torch.stack(taus).std(dim=0).max().item()
+    assert spread > 0.01, f"the policy predicts the same τ(b) for every prompt (max std {spread:.4f})"
+    assert sum(widths["flat"]) > sum(widths["steep"]), widths
+    assert any(f != s for f, s in zip(widths["flat"], widths["steep"])), widths
 
 
 def test_generate_command_uses_the_embedded_policy(default_pair, capsys):

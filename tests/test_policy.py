@@ -16,6 +16,7 @@ from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
 from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy, LastLogitsMLPPolicy, PrefillMLPPolicy
+from hf_blockpilot.controllers import policy_state_indices
 from hf_blockpilot.policy import NUM_SCALAR_FEATURES, checked_feature_layers, drafter_fingerprint, prefill_features
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
@@ -397,6 +398,8 @@ def test_checkpoints_of_the_one_class_version_load_by_architecture_and_behave_as
         ValueError, match=f"holds a {policy_class.__name__} \\({architecture}\\), not a {other.__name__}"
     ):
         other.from_pretrained(FIXTURES / architecture)
+    # the target keeps only the hidden states it reads (the last-logits one: just the final, normed state)
+    assert policy_state_indices(policy) == ({2, 4, -1} if architecture == "prefill-mlp" else {-1})
     # the served controller is what it was: the prefill one's labels were cut by AdaptiveVerify
     assert policy.serving_controller == ("adaptive" if architecture == "prefill-mlp" else "fixed")
 
@@ -443,7 +446,7 @@ def test_a_tau_policy_picks_wide_blocks_where_a_wide_verify_is_cheap_and_narrow_
 
     drafter = make_drafter(target, block_size=4)
     policy = _tau_policy(target, drafter)
-    assert policy.weighs_costs and policy.serving_controller == "adaptive"
+    assert policy.weighs_costs and policy.serving_controller == "fixed"
     flat = CostModel(target_ms={1: 30.0, 8: 31.0}, drafter_ms={2: 2.0, 8: 2.5})
     steep = CostModel(target_ms={1: 30.0, 2: 40.0, 8: 240.0}, drafter_ms={2: 2.0, 8: 2.5})
     prompt = _prompt(3)
@@ -462,7 +465,7 @@ def test_a_tau_policy_picks_wide_blocks_where_a_wide_verify_is_cheap_and_narrow_
     assert out.shape[1] == 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES
 
 
-def test_a_tau_policy_is_served_by_default_under_adaptive_verify_with_this_machines_costs(target, monkeypatch):
+def test_a_tau_policy_is_served_by_default_with_this_machines_costs(target, monkeypatch):
     """With no controller passed, generate resolves this machine's cost model and the policy weighs it."""
     from hf_blockpilot import CostModel, candidate_generator
 
@@ -476,4 +479,16 @@ def test_a_tau_policy_is_served_by_default_under_adaptive_verify_with_this_machi
         out = _greedy(target, _prompt(4), assistant_model=drafter)
         assert torch.equal(out, _greedy(target, _prompt(4)))
         assert drafter.last_stats.block_size == width
-        assert drafter.last_stats.controller.startswith("guarded(adaptive(policy")
+        assert drafter.last_stats.controller == "guarded(policy)"
+
+
+def test_a_tau_policy_drafts_only_where_it_predicts_a_clear_gain_over_plain(target):
+    from hf_blockpilot.policy import MIN_PREDICTED_GAIN
+
+    policy = _tau_policy(target, None)
+    tau = torch.tensor([1.0, 1.8, 3.4, 6.6])
+    for gain, expected in ((MIN_PREDICTED_GAIN / 2, 0), (MIN_PREDICTED_GAIN * 2, 1)):
+        ms = torch.tensor([30.0, 1.8 * 30.0 / (1 + gain), 1e3, 1e3])
+        assert int(policy.priced_choice(tau, ms)) == expected, gain
+    batch = policy.priced_choice(torch.stack([tau, tau]), torch.tensor([[30.0, 1e3, 1e3, 1e3], [1e3, 1e3, 1e3, 30.0]]))
+    assert batch.tolist() == [0, 3]

@@ -226,7 +226,7 @@ def train_policy(
         outputs = policy(x_test)
         predicted = policy.predicted_tau(outputs)
     # what serving does: a τ policy prices its prediction with the costs, a classifier takes its top class
-    chosen = (predicted / ms_test).argmax(dim=1) if predicts_tau else outputs.argmax(dim=1)
+    chosen = policy.priced_choice(predicted, ms_test) if predicts_tau else outputs.argmax(dim=1)
     report = evaluate_choices(v_test, chosen, candidates, config.objective)
     if predicts_tau:
         drafting = torch.tensor(candidates) > 1
