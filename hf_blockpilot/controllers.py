@@ -402,8 +402,8 @@ def _widest(policy: BlockSizePolicy) -> int:
 def default_controller(drafter: nn.Module) -> DraftController:
     """What `generate(assistant_model=drafter)` runs when given no `draft_controller` (and what `bench`, the CLI
     and `evaluate-policy` call "default"): the drafter's attached policy under its `serving_controller`
-    (`AdaptiveVerify` for a τ-predicting policy or one trained on `collect --adaptive` labels, else every draft
-    verified), else its `block_size` with every draft verified; inside a `SpeculationGuard`, so that it never
+    (`AdaptiveVerify` for a policy trained on `collect --adaptive` labels, else every draft verified, as for the
+    τ-predicting ones), else its `block_size` with every draft verified; inside a `SpeculationGuard`, so that it never
     runs slower than plain decoding on this machine's costs."""
     policy = getattr(drafter, "policy", None)
     if policy is None:

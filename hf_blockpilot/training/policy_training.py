@@ -191,15 +191,15 @@ def train_policy(
     # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)
     regret_train = (v_train.max(dim=1, keepdim=True).values - v_train) / v_train.max(dim=1, keepdim=True).values
 
-    def tau_loss(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        return (policy.predicted_tau(policy(x)).log() - tau.log()).square().mean()
+    def tau_loss(outputs: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        return (policy.predicted_tau(outputs).log() - tau.log()).square().mean()
 
     best_state, best_score, stale = None, float("inf"), 0
     for _ in range(config.epochs):
         policy.train()
         logits = policy(x_train)
         if predicts_tau:
-            loss = tau_loss(x_train, tau_train)
+            loss = tau_loss(logits, tau_train)
         elif loss_name == "regret":
             loss = (logits.softmax(dim=1) * regret_train).sum(dim=1).mean()
         else:
@@ -210,7 +210,7 @@ def train_policy(
         policy.eval()
         with torch.no_grad():
             if predicts_tau:
-                score = float(tau_loss(x_val, tau_val))
+                score = float(tau_loss(policy(x_val), tau_val))
             else:
                 score = evaluate_choices(v_val, policy(x_val).argmax(dim=1), candidates, config.objective).regret
         if score < best_score - 1e-9:
