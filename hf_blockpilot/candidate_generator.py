@@ -28,9 +28,11 @@ import torch
 from transformers.generation import GenerationMixin, GenerationMode
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
+from .batched import BatchedSpeculativeDecoder, BatchSpeculationStats, check_batched_call
 from .controllers import DraftController, DraftedRound, resolve_controller
 from .cpu_kernels import skinny_linear, use_verify_kernels
 from .device_calibration import resolve_cost_model
@@ -69,10 +71,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         prepared: bool = False,
     ):
         if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"block-diffusion speculative decoding supports batch size 1, got {input_ids.shape[0]}: "
-                "call generate() once per prompt."
-            )
+            raise ValueError(f"this candidate generator drafts for one row, got {input_ids.shape[0]} (batches run batched.py)")
         # `prepared`: `controller` is already this request's own, checked and costed (`prepare_controller`)
         self.controller = controller if prepared else prepare_controller(target, drafter, controller)
         self.kernel_rows = self.controller.cost_model.kernel_rows
@@ -108,7 +107,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         drafter.last_stats = self.stats
         # the user's own request for hidden states (returned by generate) gets them all, as with any assistant
         wants_all = bool(generation_config.output_hidden_states)
-        self.model_kwargs_overrides = {"output_hidden_states": True if wants_all else self._hidden_states_to_keep()}
+        keep = True if wants_all else hidden_states_to_keep(drafter, self.controller)
+        self.model_kwargs_overrides = {"output_hidden_states": keep}
 
     # ------------------------------------------------------------------------------------ main contract
     def get_candidates(
@@ -202,19 +202,6 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         confidence, entropy = probs.amax(dim=-1), torch.special.entr(probs).sum(dim=-1)
         self.stats.controller_seconds += time.perf_counter() - start
         return DraftedRound(num_drafts, confidence=confidence, entropy=entropy)
-
-    def _hidden_states_to_keep(self) -> bool | list[int]:
-        """The target's hidden states that the drafter (and the policy) read, as `hidden_states` indices.
-
-        Where Transformers keeps a selection at its usual positions (5.23), only those are held, which saves
-        memory on long prompts; older releases index a selection differently, so they get all of them.
-        """
-        if not SELECTION_KEEPS_POSITIONS:
-            return True
-        controller_states = self.controller.prefill_state_indices()
-        if controller_states is None:  # a policy of another kind may read any of them
-            return True
-        return sorted({i + 1 for i in self.drafter.target_layer_ids} | controller_states)
 
     def _keep_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> None:
         """Hold the target states of the tokens verified since the last round (at the drafter's layers) until
@@ -361,7 +348,22 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         return torch.full((1, 1), token, dtype=torch.long, device=input_ids.device)
 
 
+def hidden_states_to_keep(drafter: BlockDiffusionDrafter, controller: DraftController) -> bool | list[int]:
+    """The target's hidden states that the drafter (and the controller's policy) read, as `hidden_states` indices.
+
+    Where Transformers keeps a selection at its usual positions (5.23), only those are held, which saves
+    memory on long prompts; older releases index a selection differently, so they get all of them.
+    """
+    if not SELECTION_KEEPS_POSITIONS:
+        return True
+    controller_states = controller.prefill_state_indices()
+    if controller_states is None:  # a policy of another kind may read any of them
+        return True
+    return sorted({i + 1 for i in drafter.target_layer_ids} | controller_states)
+
+
 _stock_get_candidate_generator = GenerationMixin._get_candidate_generator
+_stock_assisted_decoding = GenerationMixin._assisted_decoding
 _stock_validate_generation_mode = GenerationMixin._validate_generation_mode
 _stock_generate = GenerationMixin.generate
 
@@ -371,7 +373,7 @@ class _Call:
     """One `generate` call's own controller, and the statistics its generator records."""
 
     controller: DraftController
-    stats: SpeculationStats | None = None
+    stats: SpeculationStats | BatchSpeculationStats | None = None
 
 
 # The `generate` call running in this thread / task (generate runs synchronously).
@@ -379,15 +381,30 @@ _current_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf
 
 
 def prepare_controller(
-    target: PreTrainedModel, drafter: BlockDiffusionDrafter, controller: DraftController | int | None
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController | int | None,
+    batch_size: int = 1,
 ) -> DraftController:
     """This request's own controller (`resolve_controller`), checked against the pair and given the device's
-    costs (`resolve_cost_model`: its own, else this machine's calibration, else the shipped fallback)."""
+    costs (`resolve_cost_model`: its own, else this machine's calibration, else the shipped fallback; with its
+    batch axis measured at `batch_size` for a batched call)."""
     drafter.check_compatible(target)
     prepared = resolve_controller(drafter, controller).for_request()
     prepared.check_compatible(target, drafter)
-    prepared.use_cost_model(resolve_cost_model(target, drafter, prepared.cost_model, prepared.max_width()))
+    cost = resolve_cost_model(target, drafter, prepared.cost_model, prepared.max_width(), batch_size=batch_size)
+    prepared.use_cost_model(cost)
     return prepared
+
+
+def _batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
+    """The batch size of a `generate` call (1 when its inputs are not a tensor of token ids)."""
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if inputs is None:
+        inputs = kwargs.get("attention_mask")
+    num_return = getattr(kwargs.get("generation_config"), "num_return_sequences", None)
+    rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+    return rows * int(kwargs.get("num_return_sequences") or num_return or 1)
 
 
 @functools.wraps(_stock_generate)
@@ -400,9 +417,11 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
                 "pass it with assistant_model=<BlockDiffusionDrafter>"
             )
         return _stock_generate(self, *args, **kwargs)
-    call = _Call(prepare_controller(self, drafter, draft_controller))  # bad input fails before any forward
+    batch_size = _batch_size(args, kwargs)
+    # bad input fails before any forward
+    call = _Call(prepare_controller(self, drafter, draft_controller, batch_size))
     mask = kwargs.get("attention_mask")
-    unpadded = mask is None or bool(mask.all())  # once per call
+    unpadded = batch_size == 1 and (mask is None or bool(mask.all()))  # once per call
     undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded)
     token = _current_call.set(call)
     try:
@@ -477,9 +496,66 @@ def _get_candidate_generator(
     )
 
 
+def _assisted_decoding(
+    self: GenerationMixin,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: Any,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: Any = None,
+    **kwargs: Any,
+):
+    drafter = kwargs.get("assistant_model")
+    if not isinstance(drafter, BlockDiffusionDrafter) or input_ids.shape[0] == 1:
+        return _stock_assisted_decoding(
+            self,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus=synced_gpus,
+            streamer=streamer,
+            **kwargs,
+        )
+    call = _current_call.get()
+    controller = call.controller if call is not None else prepare_controller(self, drafter, None, input_ids.shape[0])
+    model_kwargs = {k: v for k, v in kwargs.items() if k not in CALL_ARGUMENTS}
+    check_batched_call(self, drafter, generation_config, stopping_criteria, streamer, model_kwargs)
+    batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
+    controllers = []
+    for _ in range(input_ids.shape[0]):
+        row_controller = controller.for_request()
+        row_controller.use_cost_model(batch_cost)
+        controllers.append(row_controller)
+    decoder = BatchedSpeculativeDecoder(
+        self,
+        drafter,
+        controllers,
+        input_ids,
+        generation_config,
+        logits_processor,
+        stopping_criteria,
+        model_kwargs,
+        hidden_states_to_keep(drafter, controller),
+    )
+    drafter.last_stats = decoder.stats
+    if call is not None:
+        call.stats = decoder.stats
+    sequences = decoder.run()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+#: `_assisted_decoding` arguments that are not model inputs.
+CALL_ARGUMENTS = {"inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer"}
+
+
 def install_generate_routing() -> None:
     """Route `generate(assistant_model=<BlockDiffusionDrafter>, draft_controller=...)` to our generator
     (idempotent)."""
     GenerationMixin._get_candidate_generator = _get_candidate_generator
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin.generate = _generate
+    GenerationMixin._assisted_decoding = _assisted_decoding

@@ -22,7 +22,8 @@ class CostModel:
     when sampling, the work on vocabulary-sized rows of logits.
 
     `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one
-    drafter forward over a block of b slots. Sizes between measured ones are interpolated linearly; sizes past
+    drafter forward over a block of b slots. The batch axis: `batch_target_ms[B][n]` / `batch_drafter_ms[B][b]`
+    are the same forwards over B rows at once (see `for_batch`). Sizes between measured ones are interpolated linearly; sizes past
     the largest measured one extend its last slope. `kernel_rows`: the target forwards over these token
     counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found faster there. At
     T>0, `sampling_process_ms` is the logits processors and
@@ -36,6 +37,8 @@ class CostModel:
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
     kernel_rows: list[int] = field(default_factory=list)  # row counts timed with the CPU verify kernels on
+    batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
+    batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
     source: str = field(default="", compare=False)  # where the figures come from (calibration, fallback, file)
 
     def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
@@ -96,6 +99,28 @@ class CostModel:
         costs = [self.modeled_round_ms(block_size, k, temperature) for k in range(block_size)]
         return torch.tensor(costs, dtype=torch.float32, device=device)
 
+    def for_batch(self, batch_size: int) -> CostModel:
+        """The costs seen from one row of a batch of `batch_size` rows that all draft and verify alike: a round's
+        forwards run over every row at once (a plain step is a batched one-token forward), and the sampling work
+        is done per row. Batch sizes the calibration timed are used as timed; others are interpolated linearly
+        between timed ones (batch size 1 is `target_ms`); with no batch timed, a forward over B rows of n tokens
+        is charged as one over B * n tokens (the batch's total tokens). The CPU verify kernels stay off."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size == 1:
+            return self
+        view = CostModel(
+            target_ms=_batch_table(self.target_ms, self.batch_target_ms, batch_size),
+            drafter_ms=_batch_table(self.drafter_ms, self.batch_drafter_ms, batch_size) if self.drafter_ms else {},
+            device=self.device,
+            context_tokens=self.context_tokens,
+            sampling_process_ms=batch_size * self.sampling_process_ms,
+            sampling_draw_ms=batch_size * self.sampling_draw_ms,
+        )
+        timed = "timed" if batch_size in self.batch_target_ms else "interpolated"
+        view.source = f"{self.source}; batch of {batch_size} {timed if self.batch_target_ms else 'by total tokens'}"
+        return view
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
 
@@ -110,6 +135,8 @@ class CostModel:
         raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
         raw["kernel_rows"] = [int(n) for n in raw.get("kernel_rows", [])]
+        for axis in ("batch_target_ms", "batch_drafter_ms"):
+            raw[axis] = {int(b): {int(k): float(v) for k, v in t.items()} for b, t in raw.get(axis, {}).items()}
         if "sampling_row_ms" in raw:
             raw["sampling_process_ms"] = raw.pop("sampling_row_ms")
         if 1 not in raw["target_ms"]:
@@ -131,6 +158,17 @@ class CostModel:
         cost.kernel_rows = []  # a fallback keeps the stock kernels: never slower than stock on any machine
         cost.source = f"shipped fallback cost_model_{kind}.json (not this machine's)"
         return cost
+
+
+def _batch_table(single: dict[int, float], batched: dict[int, dict[int, float]], batch_size: int) -> dict[int, float]:
+    """Per size n, the cost of a forward over `batch_size` rows of n: timed, interpolated between timed batch
+    sizes, or (none timed) that of one row of batch_size * n."""
+    if batch_size in batched:
+        return dict(batched[batch_size])
+    if not batched:
+        return {n: _interpolate(single, batch_size * n) for n in single}
+    sizes = [n for n in single if all(n in table for table in batched.values())]
+    return {n: _interpolate({1: single[n]} | {b: table[n] for b, table in batched.items()}, batch_size) for n in sizes}
 
 
 def _interpolate(table: dict[int, float], size: int) -> float:

@@ -283,15 +283,41 @@ def calibrate(
     return Calibration(fingerprint, cost, stock, kernel, time.perf_counter() - begin)
 
 
+@torch.inference_mode()
+def calibrate_batch(
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    batch_size: int,
+    widths: Iterable[int] = DEFAULT_WIDTHS,
+    context_tokens: int = 256,
+    repeats: int = 3,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The batch axis of the cost model at `batch_size` rows: (target ms per n tokens a row, drafter ms per
+    block of b slots a row), each row after its own `context_tokens`-long cached context, stock kernels."""
+    widths = sorted(set(widths) | {1})
+    verify, others = _timed_forwards(target, drafter, widths, context_tokens, batch_size)
+    fns = {("target", n): verify(n) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
+    name = describe_device(next(target.parameters()).device)["name"]
+    with tqdm(
+        total=(repeats + 1) * len(fns),
+        desc=f"hf-blockpilot: calibrating batch {batch_size} on {name}",
+        unit="forward",
+        leave=False,
+        mininterval=1.0,
+    ) as bar:
+        ms = interleaved_median_ms(fns, repeats, next(target.parameters()).device, bar)
+    return {n: ms[("target", n)] for n in widths}, {n: ms[("drafter", n)] for n in widths if n > 1}
+
+
 def _timed_forwards(
-    target: PreTrainedModel, drafter: nn.Module, widths: list[int], context_tokens: int
+    target: PreTrainedModel, drafter: nn.Module, widths: list[int], context_tokens: int, batch_size: int = 1
 ) -> tuple[Callable[[int], Callable[[], None]], dict[Any, Callable[[], None]]]:
-    """What `calibrate` times: a maker of target forwards over n tokens after a cached context, and the
-    drafter per width and the sampling work (one row processed, one draw)."""
+    """What `calibrate` times: a maker of target forwards over n tokens a row after a cached context, and the
+    drafter per width and the sampling work (one row processed, one draw), over `batch_size` rows."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (1, context_tokens), generator=generator).to(device)
+    context = torch.randint(0, vocab, (batch_size, context_tokens), generator=generator).to(device)
     prefix = DynamicCache()
     with_prefix = {cache_argument(target): prefix}
     out = target(context, **with_prefix, output_hidden_states=True)
@@ -300,7 +326,7 @@ def _timed_forwards(
     embed = target.get_input_embeddings()
 
     def verify(n: int) -> Callable[[], None]:
-        block = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+        block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
 
         def run() -> None:
             target(block, **with_prefix, output_hidden_states=True)
@@ -309,10 +335,11 @@ def _timed_forwards(
         return run
 
     def draft(n: int) -> Callable[[], None]:
-        block = torch.randint(0, vocab, (1, n), generator=generator).to(device)
+        block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
         cache = DraftContextCache()
-        positions = torch.arange(context_tokens, context_tokens + n, device=device)[None]
-        drafter.extend_context(hidden, torch.arange(context_tokens, device=device)[None], cache)
+        positions = torch.arange(context_tokens, context_tokens + n, device=device)[None].expand(batch_size, -1)
+        context_positions = torch.arange(context_tokens, device=device)[None].expand(batch_size, -1)
+        drafter.extend_context(hidden, context_positions, cache)
 
         def run() -> None:
             h = drafter(
@@ -326,12 +353,12 @@ def _timed_forwards(
 
         return run
 
-    processors = sampling_processors(target, context, temperature=1.0)
+    processors = sampling_processors(target, context[:1], temperature=1.0)
     row = torch.randn(1, vocab, generator=generator).to(device)
-    probs = processors(context, row.clone()).softmax(dim=-1)
+    probs = processors(context[:1], row.clone()).softmax(dim=-1)
 
     def process_row() -> None:
-        processors(context, row.clone()).softmax(dim=-1)
+        processors(context[:1], row.clone()).softmax(dim=-1)
 
     def draw() -> None:
         torch.multinomial(probs, num_samples=1)
@@ -355,13 +382,15 @@ def resolve_cost_model(
     drafter: nn.Module,
     given: CostModel | None = None,
     max_width: int = max(DEFAULT_WIDTHS),
+    batch_size: int = 1,
 ) -> CostModel:
     """The cost model every speed decision of a request uses (the one resolution path):
 
     `given` if one was passed; with calibration off (`HF_BLOCKPILOT_CALIBRATE=0`) the shipped table for the
     device (a fallback); else this machine's calibration for the pair, from this process, the cache, or
     measured now (a few seconds, once, with a progress line) and cached. `max_width`: the widest block the
-    caller may draft (a cached calibration narrower than it is re-measured wider).
+    caller may draft (a cached calibration narrower than it is re-measured wider). `batch_size` > 1: the
+    calibration also holds the batch axis at that size (timed once and cached, see `CostModel.for_batch`).
     """
     if given is not None:
         return given
@@ -373,8 +402,28 @@ def resolve_cost_model(
         cost = _resolved.get(key)
         if cost is None or max(cost.target_ms) < max_width:
             cost = load_or_calibrate(target, drafter, max_width).cost_model
-            _resolved[key] = cost
+        if batch_size > 1 and batch_size not in cost.batch_target_ms:
+            cost = add_batch_axis(target, drafter, batch_size, max_width).cost_model
+        _resolved[key] = cost
     return cost
+
+
+def add_batch_axis(
+    target: PreTrainedModel, drafter: nn.Module, batch_size: int, max_width: int = max(DEFAULT_WIDTHS)
+) -> Calibration:
+    """This machine's calibration for the pair with the batch axis timed at `batch_size` (`calibrate_batch`,
+    once; cached with the rest)."""
+    calibration = load_or_calibrate(target, drafter, max_width)
+    cost = calibration.cost_model
+    if batch_size not in cost.batch_target_ms:
+        begin = time.perf_counter()
+        widths = [n for n in sorted(cost.target_ms) if n <= max(max_width, 2)]
+        cost.batch_target_ms[batch_size], cost.batch_drafter_ms[batch_size] = calibrate_batch(
+            target, drafter, batch_size, widths
+        )
+        logger.info("hf-blockpilot: timed batch %d in %.1f s", batch_size, time.perf_counter() - begin)
+        save_calibration(calibration, calibration_path(calibration.fingerprint))
+    return calibration
 
 
 def load_or_calibrate(

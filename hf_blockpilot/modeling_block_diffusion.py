@@ -102,6 +102,11 @@ class DraftContextCache:
         self._lengths[layer_idx] = end
         return self._keys[layer_idx][..., :total, :], self._values[layer_idx][..., :total, :]
 
+    def select_rows(self, index: torch.LongTensor) -> None:
+        """Keep only the batch rows `index` (a batch's finished rows leave it)."""
+        self._keys = [stored.index_select(0, index) for stored in self._keys]
+        self._values = [stored.index_select(0, index) for stored in self._values]
+
     def _drop(self, layer_idx: int, count: int) -> int:
         """Drop the layer's `count` oldest stored tokens (moving the rest to the front); return how many remain."""
         start = self._lengths[layer_idx]

@@ -1,0 +1,591 @@
+"""Batched block-diffusion speculative decoding: `generate(**batch, assistant_model=drafter)` with batch size > 1.
+
+Transformers' assisted-decoding loop serves batch size 1 only, so a batch runs this loop instead (the design,
+and what it pads, recomputes and wastes, is written down in docs/batched.md):
+
+  prefill: the plain batched prefill (left padding, position ids from the attention mask, as plain `generate`);
+  per row: its own controller (a copy of the call's) picks the row's width from the row's own prefill states
+      and, each round, how many of the row's drafts to verify, against the cost model at the batch's size;
+  each round: one drafter forward over the active rows ([last, MASK x (w_r - 1)] per row, a row's slots past
+      its own width masked out) -> one target forward over [last, k_r drafts, padding] per row -> per row, the
+      accepted prefix plus one target token is committed (greedy: argmax match; T > 0: speculative sampling).
+  ragged acceptance: the target cache keeps every row's slots; rejected drafts and padding become holes masked
+      out of the 2-D attention mask (position ids count only real tokens), and slots no row kept are cropped.
+  finished rows leave the batch at once (their cache rows are dropped), so they cost no compute.
+
+Decisions depend only on the drafter's outputs and earlier rounds, so each row is lossless: greedy rows equal the
+same batch's plain `generate`, sampled rows follow the target's distribution. One host sync per round carries
+every row's outcome back (controllers that read confidences take one more, before the verify).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
+
+from ._compat import cache_argument
+from .controllers import DraftController, DraftedRound
+from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from .prompt_lookup import NgramLookup
+from .stats import SpeculationStats
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+
+#: Logits processors that read only the scores, never the ids before them: applied to a whole round at once.
+ROW_FREE_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+)
+#: Stopping criteria the loop applies itself, per row and per committed token.
+HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
+#: Model inputs a batched call may carry besides `input_ids` (the loop builds masks and positions itself).
+KNOWN_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "position_ids", "logits_to_keep"}
+
+
+@dataclass
+class BatchSpeculationStats:
+    """What one batched `generate(..., assistant_model=drafter)` call did: `rows[i]` is row i's
+    `SpeculationStats` (its own widths, drafts and acceptances, and the batched forwards it took part in);
+    the totals describe the batch's forwards.
+
+    Attributes:
+        batch_size: rows in the call.
+        target_forwards: batched target forwards, prefill included.
+        drafter_forwards: batched drafter forwards.
+        verify_slots: row x slot positions sent to the target after the prefill (finished rows excluded).
+        padded_slots: of those, padding: slots of rows that verified fewer drafts than the round's widest.
+        host_syncs: device-to-host transfers the loop waited for.
+        cost_model_source: where the costs the decisions weighed came from.
+    """
+
+    rows: list[SpeculationStats]
+    batch_size: int
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    verify_slots: int = 0
+    padded_slots: int = 0
+    host_syncs: int = 0
+    cost_model_source: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens committed over all rows."""
+        return sum(row.new_tokens for row in self.rows)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per row per target forward that row took part in (plain decoding: 1.0)."""
+        forwards = sum(row.target_forwards for row in self.rows)
+        return self.new_tokens / forwards if forwards else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verify round that carried drafts, over all rows."""
+        rounds = [c for row in self.rows for c in row.committed_per_draft_round]
+        return sum(rounds) / len(rounds) if rounds else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "target_forwards": self.target_forwards,
+            "drafter_forwards": self.drafter_forwards,
+            "verify_slots": self.verify_slots,
+            "padded_slots": self.padded_slots,
+            "host_syncs": self.host_syncs,
+            "cost_model_source": self.cost_model_source,
+            "new_tokens": self.new_tokens,
+            "tau": self.tau,
+            "acceptance_length": self.acceptance_length,
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+
+def check_batched_call(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    generation_config: GenerationConfig,
+    stopping_criteria: StoppingCriteriaList,
+    streamer: Any,
+    model_kwargs: dict[str, Any],
+) -> None:
+    """Raise a ValueError naming the limit for what batched speculative decoding does not serve."""
+    problems = []
+    if streamer is not None:
+        problems.append("a streamer (streamers take one row: stream with batch size 1)")
+    wanted = [
+        name
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        if getattr(generation_config, name, False)
+    ]
+    if wanted:
+        problems.append(f"{', '.join(wanted)} (only sequences and speculation_stats are returned for a batch)")
+    if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+        problems.append("assistant_ensemble_weight")
+    others = sorted(k for k, v in model_kwargs.items() if v is not None and k not in KNOWN_MODEL_KWARGS)
+    if others:
+        problems.append(f"model inputs {others} (a batch takes input_ids and attention_mask)")
+    custom = [type(c).__name__ for c in stopping_criteria if not isinstance(c, HANDLED_CRITERIA)]
+    if custom:
+        problems.append(f"custom stopping criteria {custom} (EOS, max length, stop strings and max_time are served)")
+    cache = _target_cache(target, model_kwargs)
+    if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+        problems.append("a target with sliding-window attention layers (their cache drops entries by slot)")
+    if any(layer.self_attn.is_causal or layer.self_attn.sliding_window is not None for layer in drafter.layers):
+        problems.append("a drafter with causal or sliding-window layers (z-lab's DFlash drafters attend unmasked)")
+    if problems:
+        raise ValueError(
+            "block-diffusion speculative decoding with batch size > 1 does not support "
+            + "; ".join(problems)
+            + ". Call generate() per prompt (batch size 1), or without assistant_model."
+        )
+
+
+def _target_cache(target: PreTrainedModel, model_kwargs: dict[str, Any]) -> Any:
+    cache = model_kwargs.get(cache_argument(target))
+    return cache if cache is not None else model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+
+
+@dataclass
+class _Row:
+    """One row's state: its controller, its committed tokens (host), its statistics."""
+
+    index: int
+    controller: DraftController
+    stats: SpeculationStats
+    ids: torch.Tensor  # (1, n) the row's ids as plain generate holds them (left padding kept), on the host
+    lookup: NgramLookup | None
+    first_real: int  # where the prompt's left padding ends
+    keep: int = 0  # drafts verified this round
+    lookup_drafts: list[int] = field(default_factory=list)
+
+
+class BatchedSpeculativeDecoder:
+    """Runs one batched call (see the module docstring); `run()` returns the padded sequences."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: BlockDiffusionDrafter,
+        controllers: list[DraftController],
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        model_kwargs: dict[str, Any],
+        hidden_states_to_keep: bool | list[int],
+    ):
+        self.target, self.drafter = target, drafter
+        self.device = input_ids.device
+        self.config = generation_config
+        self.do_sample = bool(generation_config.do_sample)
+        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
+        self.processors = logits_processor
+        self.row_free_processors = all(isinstance(p, ROW_FREE_PROCESSORS) for p in logits_processor)
+        self.eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos_ids = set() if self.eos is None else set(self.eos.view(-1).tolist())
+        pad = getattr(generation_config, "_pad_token_tensor", None)
+        self.pad_token_id = int(pad) if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+        self.stop_strings = [c for c in stopping_criteria if isinstance(c, StopStringCriteria)]
+        self.deadlines = [c for c in stopping_criteria if isinstance(c, MaxTimeCriteria)]
+        self.max_length = generation_config.max_length
+        self.cache_name = cache_argument(target)
+        self.cache = _target_cache(target, model_kwargs)
+        self.hidden_states_to_keep = hidden_states_to_keep
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        mask = model_kwargs.get("attention_mask")
+        self.key_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
+        self.input_ids = input_ids
+        host_ids, host_mask = input_ids.cpu(), self.key_mask.cpu()
+        self.host_syncs = 1
+        self.rows: list[_Row] = []
+        for i, controller in enumerate(controllers):
+            first_real = int(host_mask[i].argmax()) if bool(host_mask[i].any()) else input_ids.shape[1]
+            stats = SpeculationStats(
+                prompt_tokens=input_ids.shape[1] - first_real,
+                controller=controller.describe(),
+                cost_model_source=controller.cost_model.source if controller.cost_model else "",
+            )
+            lookup = NgramLookup() if drafter.prompt_lookup else None
+            self.rows.append(_Row(i, controller, stats, host_ids[i : i + 1], lookup, first_real))
+        self.stats = BatchSpeculationStats(
+            rows=[row.stats for row in self.rows],
+            batch_size=len(self.rows),
+            cost_model_source=self.rows[0].stats.cost_model_source,
+        )
+        self.finished: list[torch.Tensor] = [torch.empty(0)] * len(self.rows)
+        self.positions = self.key_mask.cumsum(-1) - 1  # as plain generate: positions count real tokens only
+        self.draft_cache = DraftContextCache()
+        self.context_valid = self.key_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, valid, positions)
+
+    # ------------------------------------------------------------------------------------------- the loop
+    @torch.no_grad()
+    def run(self) -> torch.LongTensor:
+        prefill = self._forward(self.input_ids, self.positions.masked_fill(self.key_mask == 0, 0), 1)
+        self._keep_context(prefill, self.key_mask.bool(), self.positions)
+        self.next_position = self.positions[:, -1] + 1
+        for i, row in enumerate(self.rows):
+            row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
+            row.stats.block_size = row.controller.max_width()
+            row.stats.policy_seconds, row.stats.policy_probs = row.controller.policy_seconds, row.controller.policy_probs
+            row.stats.target_forwards = 1
+            row.stats.widths_per_round.append(1)
+        logits = self._process(prefill.logits[:, -1:].float())
+        first = self._pick(logits)[:, 0]
+        self.anchor = first
+        self._commit([[t] for t in self._to_host(first).tolist()], accepted=[0] * len(self.rows))
+        while self.rows:
+            self._round()
+        return self._sequences()
+
+    def _round(self) -> None:
+        drafts, draft_logits, keeps = self._draft()
+        widest = max(keeps)
+        slots = torch.arange(widest + 1, device=self.device)
+        keep = torch.tensor(keeps, device=self.device)
+        valid = slots[None, :] <= keep[:, None]
+        block = self.anchor[:, None] if widest == 0 else torch.cat([self.anchor[:, None], drafts[:, :widest]], dim=1)
+        block = block.masked_fill(~valid, self.pad_token_id)
+        self.key_mask = torch.cat([self.key_mask, valid.long()], dim=1)
+        positions = self.next_position[:, None] + slots[None, :]
+        outputs = self._forward(block, positions, widest + 1)
+        self.stats.verify_slots += len(self.rows) * (widest + 1)
+        self.stats.padded_slots += sum(widest - k for k in keeps)
+        logits = self._process(outputs.logits[:, -(widest + 1) :].float(), block)
+        if widest == 0:
+            accepted, tokens = torch.zeros_like(keep), self._pick(logits)
+        elif self.do_sample:
+            accepted, tokens = _speculative_sampling(block[:, 1:], draft_logits[:, :widest], logits, keep)
+        else:
+            accepted, tokens = _greedy_acceptance(block[:, 1:], logits.argmax(dim=-1), keep)
+        kept = slots[None, :] <= accepted[:, None]
+        # rejected drafts and padding stay in the cache as holes; slots no row kept are cropped
+        self.key_mask[:, -(widest + 1) :] = kept.long()
+        self._keep_context(outputs, kept, positions)
+        self.next_position = self.next_position + accepted + 1
+        host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
+        used = max(n for n, *_ in host) + 1
+        if used < widest + 1:
+            self.cache.crop(-(widest + 1 - used))
+            self.key_mask = self.key_mask[:, : self.key_mask.shape[1] - (widest + 1 - used)]
+            self.pending[-1] = tuple(t[:, :used] for t in self.pending[-1])
+        self.anchor = tokens.gather(1, accepted[:, None])[:, 0]
+        self._commit([toks[: n + 1] for n, *toks in host], accepted=[n for n, *_ in host])
+
+    # ------------------------------------------------------------------------------------------ drafting
+    def _draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
+        """This round's drafts (rows, slots) and their draft logits, and per row how many go to the target."""
+        widths, budgets = [], []
+        for row in self.rows:
+            room = self.max_length - row.ids.shape[1]
+            width = min(row.controller.width(), room + 1)
+            budgets.append(max(min(width - 1, room - 1), 0))
+            widths.append(width if budgets[-1] > 0 else 1)
+            row.lookup_drafts = (
+                row.lookup.continuation(row.ids[:, row.first_real :], budgets[-1])
+                if row.lookup is not None and budgets[-1] > 0
+                else []
+            )
+        drafting = [w if not row.lookup_drafts else 1 for w, row in zip(widths, self.rows, strict=True)]
+        if max(budgets) == 0:
+            for row in self.rows:
+                row.keep = 0
+                row.stats.widths_per_round.append(1)
+            return None, None, [0] * len(self.rows)
+        width = max(max(drafting), max(len(row.lookup_drafts) for row in self.rows) + 1)
+        logits = None
+        if max(drafting) > 1:
+            logits = self._drafter_logits(drafting, width)
+        else:
+            self._extend_draft_context()
+        drafts, draft_logits = self._select(logits, width)
+        drafted = self._drafted_rounds(logits, budgets)
+        keeps = []
+        for row, round_, w in zip(self.rows, drafted, widths, strict=True):
+            start = time.perf_counter()
+            row.keep = min(max(row.controller.num_to_verify(round_), 0), round_.num_drafts) if round_.num_drafts else 0
+            row.stats.controller_seconds += time.perf_counter() - start
+            row.stats.widths_per_round.append(w)
+            if row.lookup_drafts:
+                row.stats.lookup_rounds += 1
+            keeps.append(row.keep)
+        return drafts, draft_logits, keeps
+
+    def _drafter_logits(self, widths: list[int], width: int) -> torch.Tensor:
+        """One drafter forward over every active row's block (a row's slots past its own width masked out):
+        (rows, width - 1, V) full-vocabulary float logits of slots 1..width-1."""
+        hidden, valid, positions = self._take_pending()
+        rows = len(self.rows)
+        block_ids = torch.full((rows, width), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, 0] = self.anchor
+        block_positions = self.next_position[:, None] + torch.arange(width, device=self.device)[None, :]
+        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        slot_visible = torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
+        visible = torch.cat([self.context_valid, slot_visible], dim=1)
+        mask = visible[:, None, None, :].expand(rows, 1, width, visible.shape[1])
+        out = self.drafter(
+            block_embeds=self.drafter.embed_block(self.embed_tokens, block_ids).to(self.drafter.device),
+            block_position_ids=block_positions,
+            target_hidden=hidden,
+            context_position_ids=positions,
+            attention_mask=mask,
+            cache=self.draft_cache,
+        ).last_hidden_state[:, 1:]
+        self.stats.drafter_forwards += 1
+        for row in self.rows:
+            row.stats.drafter_forwards += 1
+        self.draft_hidden = out
+        logits = F.linear(out.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
+        logits = self.drafter.finish_logits(logits.float())
+        if self.drafter.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
+        full[..., self.drafter.d2t.to(logits.device)] = logits
+        return full
+
+    def _extend_draft_context(self) -> None:
+        """Rounds drafted by prompt lookup alone: the drafter only takes in the new context."""
+        hidden, valid, positions = self._take_pending()
+        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        self.drafter.extend_context(hidden, positions, self.draft_cache)
+
+    def _select(self, logits: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: its drafts (prompt lookup's, else picked from the drafter's processed logits) and the
+        processed logits they were drawn from (one-hot for lookup drafts). (rows, width - 1) and (rows, width - 1, V).
+        """
+        rows = len(self.rows)
+        if logits is None:
+            logits = torch.zeros(rows, width - 1, self.vocab_size, device=self.device)
+        selector = self.drafter.candidate_selector
+        if selector is None and self.row_free_processors:
+            processed = self._process(logits)
+            drafts = self._pick(processed)
+        else:  # drafts depend on the ones before them: picked left to right, row by row
+            drafts = torch.empty(rows, width - 1, dtype=torch.long, device=self.device)
+            processed = torch.empty_like(logits)
+            for r, row in enumerate(self.rows):
+                score = None
+                if selector is not None and not row.lookup_drafts:
+                    score = selector.scorer(self.draft_hidden[r : r + 1], logits[r : r + 1])
+                ids = row.ids.to(self.device)  # ends with the anchor
+                for i in range(width - 1):
+                    raw = logits[r : r + 1, i] if score is None else score(i, ids[:, -1])
+                    processed[r : r + 1, i] = self.processors(ids, raw) if self.processors else raw
+                    drafts[r, i] = self._pick(processed[r : r + 1, i : i + 1])[0, 0]
+                    ids = torch.cat([ids, drafts[r : r + 1, i : i + 1]], dim=1)
+        for r, row in enumerate(self.rows):
+            if row.lookup_drafts:
+                looked = torch.tensor(row.lookup_drafts, dtype=torch.long, device=self.device)
+                n = looked.shape[0]
+                drafts[r, :n] = looked
+                processed[r, :n] = torch.full_like(processed[r, :n], float("-inf")).scatter_(
+                    -1, looked[:, None], 0.0
+                )
+        return drafts, processed
+
+    def _drafted_rounds(self, raw: torch.Tensor | None, budgets: list[int]) -> list[DraftedRound]:
+        """What each row's controller sees of its drafts: per-slot confidence and entropy from the drafter's raw
+        logits (before processors and any draw, so they never depend on which tokens were drafted), in one host
+        transfer, if any row's controller reads them."""
+        rounds = []
+        confidence = entropy = None
+        if raw is not None and any(row.controller.reads_confidence for row in self.rows):
+            probs = torch.softmax(raw / self.temperature if self.temperature > 0 else raw, dim=-1)
+            both = self._to_host(torch.stack([probs.amax(dim=-1), torch.special.entr(probs).sum(dim=-1)]))
+            confidence, entropy = both[0], both[1]
+        for r, (row, budget) in enumerate(zip(self.rows, budgets, strict=True)):
+            if row.lookup_drafts:
+                rounds.append(DraftedRound(min(len(row.lookup_drafts), budget), lookup=True))
+            elif confidence is None or not row.controller.reads_confidence or budget == 0:
+                rounds.append(DraftedRound(budget))
+            else:
+                rounds.append(DraftedRound(budget, confidence=confidence[r, :budget], entropy=entropy[r, :budget]))
+        return rounds
+
+    # --------------------------------------------------------------------------------------- verifying
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep_logits: int) -> Any:
+        outputs = self.target(
+            input_ids=ids,
+            attention_mask=self.key_mask,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=self.hidden_states_to_keep,
+            logits_to_keep=keep_logits,
+            **{self.cache_name: self.cache},
+        )
+        self.stats.target_forwards += 1
+        for row in self.rows:
+            row.stats.target_forwards += 1
+        return outputs
+
+    def _process(self, logits: torch.Tensor, block: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits processors on (rows, slots, V) logits: at once where they read only the scores, else row by
+        row and slot by slot with the ids before each slot (as plain generate's processors see them); `block`:
+        the verified block, whose slot 0 is each row's last committed token."""
+        if not self.processors:
+            return logits
+        rows, slots, vocab = logits.shape
+        if self.row_free_processors:
+            ids = self.input_ids[:1].expand(rows * slots, -1)
+            return self.processors(ids, logits.reshape(rows * slots, vocab)).view(rows, slots, vocab)
+        out = torch.empty_like(logits)
+        for r, row in enumerate(self.rows):
+            ids = row.ids.to(self.device)
+            for i in range(slots):
+                prefix = ids if block is None else torch.cat([ids, block[r : r + 1, 1 : i + 1]], dim=1)
+                out[r, i] = self.processors(prefix, logits[r : r + 1, i])[0]
+        return out
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(rows, k, V) -> (rows, k): argmax, or one draw from softmax(logits) per position at T > 0."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.flatten(0, 1), dim=-1)
+        return torch.multinomial(probs, num_samples=1).view(logits.shape[:2])
+
+    # -------------------------------------------------------------------------------------- bookkeeping
+    def _keep_context(self, outputs: Any, kept: torch.Tensor, positions: torch.Tensor) -> None:
+        """The target states of the tokens just verified (at the drafter's layers), kept for the drafter's next
+        forward; `kept` (rows, slots) marks the committed ones (the last committed token is the next anchor and
+        joins next round, as slot 0)."""
+        hidden_states = outputs.hidden_states
+        hidden = torch.cat([hidden_states[i + 1] for i in self.drafter.target_layer_ids], dim=-1)
+        self.pending.append((hidden.to(self.drafter.device), kept, positions))
+
+    def _take_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden, valid, positions = (torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True))
+        self.pending = []
+        return hidden, valid, positions.masked_fill(~valid, 0)
+
+    def _commit(self, committed: list[list[int]], accepted: list[int]) -> None:
+        """Append each row's committed tokens (cut at its first stop), record its round, retire finished rows."""
+        done = []
+        timed_out = any(bool(c(None, None)) for c in self.deadlines) if self.deadlines else False
+        for r, (row, tokens) in enumerate(zip(self.rows, committed, strict=True)):
+            cut, stop = self._cut_at_stop(row, tokens)
+            row.ids = torch.cat([row.ids, torch.tensor([cut], dtype=row.ids.dtype)], dim=1)
+            row.stats.new_tokens = row.ids.shape[1] - self.input_ids.shape[1]
+            row.stats.drafted_per_round.append(row.keep)
+            row.stats.accepted_per_round.append(min(accepted[r], len(cut) - 1))
+            row.controller.observe(row.keep, accepted[r])
+            if stop or timed_out or row.ids.shape[1] >= self.max_length:
+                done.append(r)
+        if done:
+            self._retire(done)
+
+    def _cut_at_stop(self, row: _Row, tokens: list[int]) -> tuple[list[int], bool]:
+        """`tokens` up to and including the first that ends the row (EOS, a stop string, max length)."""
+        room = self.max_length - row.ids.shape[1]
+        for i, token in enumerate(tokens[:room]):
+            if token in self.eos_ids:
+                return tokens[: i + 1], True
+            if self.stop_strings:
+                ids = torch.cat([row.ids, torch.tensor([tokens[: i + 1]], dtype=row.ids.dtype)], dim=1)
+                if any(bool(c(ids, None)[0]) for c in self.stop_strings):
+                    return tokens[: i + 1], True
+        return tokens[:room], len(tokens) > room
+
+    def _retire(self, done: list[int]) -> None:
+        """Finished rows leave the batch: their cache rows, masks and pending context are dropped."""
+        for r in done:
+            row = self.rows[r]
+            self.finished[row.index] = row.ids[0]
+        stay = [r for r in range(len(self.rows)) if r not in set(done)]
+        self.rows = [self.rows[r] for r in stay]
+        if not stay:
+            return
+        index = torch.tensor(stay, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.draft_cache.select_rows(index.to(self.drafter.device))
+        self.key_mask = self.key_mask[index]
+        self.context_valid = self.context_valid[index]
+        self.next_position = self.next_position[index]
+        self.anchor = self.anchor[index]
+        self.pending = [tuple(t[index] for t in part) for part in self.pending]
+
+    def _sequences(self) -> torch.LongTensor:
+        longest = max(ids.shape[0] for ids in self.finished)
+        out = torch.full((len(self.finished), longest), self.pad_token_id, dtype=torch.long)
+        for i, ids in enumerate(self.finished):
+            out[i, : ids.shape[0]] = ids
+        return out.to(self.device)
+
+    def _row_prefill(self, outputs: Any, r: int, first_real: int) -> Any:
+        """Row r's prefill outputs without its left padding: what a batch-1 call's controller reads."""
+        states = tuple(None if h is None else h[r : r + 1, first_real:] for h in outputs.hidden_states)
+        return SimpleNamespace(hidden_states=states, logits=outputs.logits[r : r + 1])
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The loop's only device-to-host transfers (counted: one per round, one more for confidences)."""
+        self.stats.host_syncs += 1
+        return tensor.cpu()
+
+
+def _greedy_acceptance(
+    drafts: torch.Tensor, target_tokens: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: drafts accepted (leading matches among its first `keep` drafts) and the tokens to commit
+    (the target's own tokens, which equal the accepted drafts)."""
+    slots = torch.arange(drafts.shape[1], device=drafts.device)
+    match = (drafts == target_tokens[:, :-1]) & (slots[None, :] < keep[:, None])
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    return accepted, target_tokens
+
+
+def _speculative_sampling(
+    drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling per row over its first `keep` drafts (Leviathan et al. 2023, Algorithm 1): draft i
+    is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection a token is drawn from
+    norm(max(p - q, 0)), after all of them the bonus from p. Returns accepted counts and (rows, k + 1) tokens
+    whose first accepted + 1 are the ones to commit."""
+    rows, k = drafts.shape
+    slots = torch.arange(k + 1, device=drafts.device)
+    p = torch.softmax(target_logits, dim=-1)
+    q = torch.softmax(draft_logits, dim=-1)
+    p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]
+    accept = (torch.rand_like(p_draft) * q_draft <= p_draft) & (slots[None, :k] < keep[:, None])
+    accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    at = accepted[:, None, None].expand(rows, 1, p.shape[-1])
+    p_at = p.gather(1, at)[:, 0]
+    q_padded = torch.cat([q, q.new_zeros(rows, 1, q.shape[-1])], dim=1)
+    rejected = (accepted < keep)[:, None]
+    q_at = torch.where(rejected, q_padded.gather(1, at)[:, 0], torch.zeros_like(p_at))
+    residual = (p_at - q_at).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+    final = torch.multinomial(residual / residual.sum(-1, keepdim=True), num_samples=1)[:, 0]
+    tokens = torch.cat([drafts, drafts.new_zeros(rows, 1)], dim=1)
+    tokens = torch.where(slots[None, :] == accepted[:, None], final[:, None], tokens)
+    return accepted, tokens
