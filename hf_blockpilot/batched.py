@@ -226,8 +226,7 @@ class BatchedSpeculativeDecoder:
         mask = model_kwargs.get("attention_mask")
         self.key_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
         self.input_ids = input_ids
-        host_ids, host_mask = input_ids.cpu(), self.key_mask.cpu()
-        self.host_syncs = 1
+        host_ids, host_mask = input_ids.cpu(), self.key_mask.cpu()  # once per call (counted below)
         self.rows: list[_Row] = []
         for i, controller in enumerate(controllers):
             first_real = int(host_mask[i].argmax()) if bool(host_mask[i].any()) else input_ids.shape[1]
@@ -242,6 +241,7 @@ class BatchedSpeculativeDecoder:
             rows=[row.stats for row in self.rows],
             batch_size=len(self.rows),
             cost_model_source=self.rows[0].stats.cost_model_source,
+            host_syncs=1,
         )
         self.finished: list[torch.Tensor] = [torch.empty(0)] * len(self.rows)
         self.positions = self.key_mask.cumsum(-1) - 1  # as plain generate: positions count real tokens only
@@ -258,7 +258,10 @@ class BatchedSpeculativeDecoder:
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
             row.stats.block_size = row.controller.max_width()
-            row.stats.policy_seconds, row.stats.policy_probs = row.controller.policy_seconds, row.controller.policy_probs
+            row.stats.policy_seconds, row.stats.policy_probs = (
+                row.controller.policy_seconds,
+                row.controller.policy_probs,
+            )
             row.stats.target_forwards = 1
             row.stats.widths_per_round.append(1)
         logits = self._process(prefill.logits[:, -1:].float())
@@ -351,7 +354,9 @@ class BatchedSpeculativeDecoder:
         block_ids[:, 0] = self.anchor
         block_positions = self.next_position[:, None] + torch.arange(width, device=self.device)[None, :]
         self.context_valid = torch.cat([self.context_valid, valid], dim=1)
-        slot_visible = torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
+        slot_visible = (
+            torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
+        )
         visible = torch.cat([self.context_valid, slot_visible], dim=1)
         mask = visible[:, None, None, :].expand(rows, 1, width, visible.shape[1])
         out = self.drafter(
@@ -409,9 +414,7 @@ class BatchedSpeculativeDecoder:
                 looked = torch.tensor(row.lookup_drafts, dtype=torch.long, device=self.device)
                 n = looked.shape[0]
                 drafts[r, :n] = looked
-                processed[r, :n] = torch.full_like(processed[r, :n], float("-inf")).scatter_(
-                    -1, looked[:, None], 0.0
-                )
+                processed[r, :n] = torch.full_like(processed[r, :n], float("-inf")).scatter_(-1, looked[:, None], 0.0)
         return drafts, processed
 
     def _drafted_rounds(self, raw: torch.Tensor | None, budgets: list[int]) -> list[DraftedRound]:

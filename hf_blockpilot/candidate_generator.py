@@ -71,7 +71,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         prepared: bool = False,
     ):
         if input_ids.shape[0] != 1:
-            raise ValueError(f"this candidate generator drafts for one row, got {input_ids.shape[0]} (batches run batched.py)")
+            raise ValueError(
+                f"this candidate generator drafts for one row, got {input_ids.shape[0]} (batches run batched.py)"
+            )
         # `prepared`: `controller` is already this request's own, checked and costed (`prepare_controller`)
         self.controller = controller if prepared else prepare_controller(target, drafter, controller)
         self.kernel_rows = self.controller.cost_model.kernel_rows

@@ -23,11 +23,10 @@ class CostModel:
 
     `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one
     drafter forward over a block of b slots. The batch axis: `batch_target_ms[B][n]` / `batch_drafter_ms[B][b]`
-    are the same forwards over B rows at once (see `for_batch`). Sizes between measured ones are interpolated linearly; sizes past
-    the largest measured one extend its last slope. `kernel_rows`: the target forwards over these token
-    counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found faster there. At
-    T>0, `sampling_process_ms` is the logits processors and
-    a softmax on one row, `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
+    are the same forwards over B rows at once (see `for_batch`). Sizes between measured ones are interpolated
+    linearly; sizes past the largest measured one extend its last slope. `kernel_rows`: the target forwards
+    over these token counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found
+    faster there. At T>0, `sampling_process_ms` is the logits processors and a softmax on one row, `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
 
     target_ms: dict[int, float]

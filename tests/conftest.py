@@ -196,6 +196,51 @@ class ScriptedDrafter(BlockDiffusionDrafter):
         return out
 
 
+class BatchScriptedDrafter(BlockDiffusionDrafter):
+    """`ScriptedDrafter` for batches: `scripts[i]` is row i's expected real tokens (prompt without padding, then
+    its output), and each batch row of a forward is matched to the first remaining script whose token at the
+    block's anchor position is the anchor (rows keep their order as finished ones leave the batch)."""
+
+    def rig(self, target, scripts: list[list[int]], error_rate: float, seed: int = 0) -> BatchScriptedDrafter:
+        self.scripts = scripts
+        self.error_rate = error_rate
+        self.rng = torch.Generator().manual_seed(seed)
+        weight = target.get_output_embeddings().weight.detach().float()
+        assert weight.shape[0] <= weight.shape[1], "BatchScriptedDrafter needs vocab_size <= hidden_size"
+        self.head_inverse = torch.linalg.pinv(weight)
+        self.embedding = target.get_input_embeddings().weight.detach().float()
+        return self
+
+    def forward(self, block_embeds, block_position_ids, **kwargs):
+        out = super().forward(block_embeds, block_position_ids, **kwargs)
+        vocab = self.head_inverse.shape[1]
+        anchors = torch.cdist(block_embeds[:, 0].float(), self.embedding).argmin(-1).tolist()
+        rows, width = block_position_ids.shape
+        hidden, start = [], 0
+        for r in range(rows):
+            position, anchor = int(block_position_ids[r, 0]), anchors[r]
+            match = next(
+                (
+                    i
+                    for i in range(start, len(self.scripts))
+                    if position < len(self.scripts[i]) and self.scripts[i][position] == anchor
+                ),
+                None,
+            )
+            start = start if match is None else match + 1
+            script = self.scripts[match] if match is not None else [anchor]
+            positions = (block_position_ids[r]).clamp(max=len(script) - 1)
+            tokens = torch.tensor(script)[positions]
+            wrong = torch.rand(tokens.shape, generator=self.rng) < (self.error_rate if match is not None else 1.0)
+            tokens[wrong] = (
+                tokens[wrong] + 1 + torch.randint(vocab - 1, tokens[wrong].shape, generator=self.rng)
+            ) % vocab
+            logits = 20.0 * torch.nn.functional.one_hot(tokens, vocab).float()
+            hidden.append(logits @ self.head_inverse.T)
+        out.last_hidden_state = torch.stack(hidden).to(out.last_hidden_state.dtype)
+        return out
+
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}Q{% endif %}"
 
 

@@ -109,9 +109,9 @@ def test_missing_mask_token(target):
         _greedy(target, _prompt(), assistant_model=drafter)
 
 
-def test_batch_size_two(target):
-    with pytest.raises(ValueError, match=r"supports batch size 1, got 2"):
-        _greedy(target, _prompt(batch=2), assistant_model=make_drafter(target))
+def test_batch_size_two_runs_the_batched_loop(target):
+    prompt = _prompt(batch=2)
+    assert torch.equal(_greedy(target, prompt, assistant_model=make_drafter(target)), _greedy(target, prompt))
 
 
 @pytest.mark.parametrize("value", [1, 0, -4, 2.5, 3.0, "4", True, None, 257, 10_000])

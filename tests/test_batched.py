@@ -1,0 +1,376 @@
+"""Batched speculative decoding: `generate(**batch, assistant_model=drafter)` with batch size > 1 is lossless per
+row (greedy rows equal the same batch's plain `generate`; sampled rows follow the target's law), rows stop on
+their own, finished rows leave the batch, and what a batch cannot serve is a clear error."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import BatchScriptedDrafter, char_tokenizer, make_drafter, make_target
+from test_sampling import VOCAB as SAMPLING_VOCAB
+from test_sampling import chi2_critical, chi_square, exact_joint
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_blockpilot.batched as batched_module
+from hf_blockpilot import (
+    AcceptanceEMA,
+    AdaptiveVerify,
+    CostModel,
+    DraftController,
+    EntropyStop,
+    HeuristicSchedule,
+    PolicyBlockSize,
+    PrefillMLPPolicy,
+    SpeculationGuard,
+)
+from hf_blockpilot.batched import BatchSpeculationStats
+
+VOCAB, HIDDEN, LAYERS = 48, 64, 4
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask), left padded with id 0."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def generate(target, ids, mask, max_new, eos=None, **kwargs):
+    return target.generate(
+        ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0, **kwargs
+    )
+
+
+def real_tokens(row: torch.Tensor, mask_row: torch.Tensor, eos: int | None) -> list[int]:
+    """A row's prompt without its padding, then its output up to its end (its EOS, or the padding after)."""
+    prompt_len = mask_row.shape[0]
+    out = row[prompt_len:].tolist()
+    if eos is not None and eos in out:
+        out = out[: out.index(eos) + 1]
+    return row[:prompt_len][mask_row.bool()].tolist() + out
+
+
+def tiny_policy(candidates=(1, 3, 6)):
+    torch.manual_seed(0)
+    return PrefillMLPPolicy(
+        candidates=list(candidates),
+        feature_layers=[1, 3],
+        target_hidden_size=HIDDEN,
+        target_vocab_size=VOCAB,
+        target_num_layers=LAYERS,
+        width=16,
+    ).eval()
+
+
+CONTROLLERS = {
+    "default": lambda: None,
+    "fixed": lambda: DraftController(5),
+    "heuristic": lambda: HeuristicSchedule(start_block_size=3, max_block_size=8),
+    "ema": lambda: AcceptanceEMA(max_block_size=8),
+    "entropy": lambda: EntropyStop(max_block_size=8, threshold=0.1),
+    "adaptive": lambda: AdaptiveVerify(6),
+    "guarded": lambda: SpeculationGuard(DraftController(6), timing="modeled"),
+    "policy": lambda: PolicyBlockSize(tiny_policy()),
+    "adaptive+policy": lambda: AdaptiveVerify(policy=tiny_policy((2, 4, 8))),
+}
+
+
+def test_greedy_rows_identical_to_plain_batched_generate_over_randomized_cases():
+    """200 randomized batches: mixed prompt lengths, EOS in some rows, every controller, prompt lookup on and off,
+    drafters from always wrong to often right; every row equals the same batch's plain `generate`."""
+    targets = {
+        fam: make_target(fam, vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=1) for fam in ("llama", "qwen3")
+    }
+    seen = {"ragged": False, "eos_row": False, "early_finish": False, "lookup": False, "multi_accept": False}
+    names = sorted(CONTROLLERS)
+    for case in range(200):
+        rng = random.Random(case)
+        target = targets[rng.choice(sorted(targets))]
+        batch = rng.randint(2, 6)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 24))] for _ in range(batch)]
+        if rng.random() < 0.3:  # repetitive prompts give prompt lookup something to copy
+            prompts = [p + p[: rng.randint(1, len(p))] for p in prompts]
+        ids, mask = left_padded(prompts)
+        max_new = rng.randint(1, 40)
+        eos = None
+        free = generate(target, ids, mask, max_new)
+        if rng.random() < 0.5:  # a token one row produces: that row stops early, others may not
+            row = free[rng.randrange(batch), ids.shape[1] :]
+            eos = int(row[rng.randrange(row.numel())])
+        expected = generate(target, ids, mask, max_new, eos)
+        scripts = [real_tokens(expected[i], mask[i], eos) for i in range(batch)]
+        torch.manual_seed(case)
+        drafter = BatchScriptedDrafter.from_target(target, block_size=rng.randint(2, 8)).eval()
+        drafter.rig(target, scripts, error_rate=rng.choice([0.0, 0.1, 0.3, 1.0]), seed=case)
+        drafter.prompt_lookup = rng.random() < 0.4
+        name = names[case % len(names)]
+        got = generate(target, ids, mask, max_new, eos, assistant_model=drafter, draft_controller=CONTROLLERS[name]())
+        msg = f"case {case}: batch={batch} max_new={max_new} eos={eos} controller={name} lookup={drafter.prompt_lookup}"
+        assert torch.equal(got, expected), msg
+
+        stats = drafter.last_stats
+        assert isinstance(stats, BatchSpeculationStats) and stats.batch_size == batch, msg
+        lengths = []
+        for i, row in enumerate(stats.rows):
+            new = len(scripts[i]) - len(prompts[i])
+            lengths.append(new)
+            assert row.new_tokens == new, msg
+            assert row.new_tokens == sum(a + 1 for a in row.accepted_per_round), msg
+            assert len(row.drafted_per_round) == len(row.accepted_per_round) == row.target_forwards, msg
+            assert all(0 <= a <= d for a, d in zip(row.accepted_per_round, row.drafted_per_round)), msg
+            seen["multi_accept"] |= max(row.accepted_per_round) >= 2
+            seen["lookup"] |= row.lookup_rounds > 0
+        # a row that finished early took part in fewer forwards: finished rows leave the batch
+        forwards = [row.target_forwards for row in stats.rows]
+        assert max(forwards) == stats.target_forwards, msg
+        seen["early_finish"] |= min(forwards) < max(forwards)
+        seen["eos_row"] |= eos is not None and any(n < max_new for n in lengths)
+        seen["ragged"] |= any(
+            len({row.accepted_per_round[k] for row in stats.rows if len(row.accepted_per_round) > k}) > 1
+            for k in range(1, max(forwards))
+        )
+        assert stats.new_tokens == sum(lengths) and stats.padded_slots <= stats.verify_slots, msg
+    assert all(seen.values()), seen
+
+
+def test_rows_stop_on_their_own_stop_strings():
+    """A row that meets a stop string ends there and is padded after, as plain batched `generate` does when an EOS
+    token is set (without one, plain `generate` keeps decoding stopped rows until every row stops; we pad them)."""
+    tokenizer = char_tokenizer(VOCAB)
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=4)
+    drafter = make_drafter(target, block_size=4)
+    ids, mask = left_padded([[5, 6, 7, 8], [9, 10], [11, 12, 13]])
+    free = generate(target, ids, mask, 24)
+    stop = tokenizer.decode(free[1, ids.shape[1] + 1 : ids.shape[1] + 3])  # two characters row 1 produces
+    eos = next(t for t in range(1, VOCAB) if t not in free.tolist()[0] + free.tolist()[1] + free.tolist()[2])
+    kwargs = dict(stop_strings=[stop], tokenizer=tokenizer)
+    expected = generate(target, ids, mask, 24, eos, **kwargs)
+    got = generate(target, ids, mask, 24, eos, assistant_model=drafter, **kwargs)
+    assert torch.equal(got, expected)
+    rows = drafter.last_stats.rows
+    assert rows[1].new_tokens <= 3 and max(row.new_tokens for row in rows) > 3  # row 1 stopped on its own
+    unpadded = generate(target, ids, mask, 24, None, assistant_model=drafter, **kwargs)
+    assert torch.equal(
+        unpadded[:, : ids.shape[1] + rows[1].new_tokens], expected[:, : ids.shape[1] + rows[1].new_tokens]
+    )
+
+
+def test_output_dict_per_row_stats_and_one_host_sync_per_round():
+    target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=2)
+    drafter = make_drafter(target, block_size=4)
+    ids, mask = left_padded([[3, 4, 5], [6, 7, 8, 9, 10, 11], [12]])
+    out = generate(target, ids, mask, 12, assistant_model=drafter, draft_controller=4, return_dict_in_generate=True)
+    stats = out.speculation_stats
+    assert stats is drafter.last_stats and torch.equal(out.sequences, generate(target, ids, mask, 12))
+    assert [row.prompt_tokens for row in stats.rows] == [3, 6, 1]
+    assert stats.to_dict()["rows"][1]["new_tokens"] == 12
+    # fixed widths read no confidences: one transfer for the prompt's first token, then one per round
+    assert stats.host_syncs == 1 + stats.target_forwards
+    out = generate(target, ids, mask, 12, assistant_model=drafter, draft_controller=AdaptiveVerify(4))
+    stats = drafter.last_stats
+    drafter_rounds = stats.drafter_forwards
+    assert stats.host_syncs <= 1 + stats.target_forwards + drafter_rounds
+
+
+def test_finished_rows_cost_no_compute():
+    """A row that ends at once leaves the batch: later forwards run over the other rows only."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=3)
+    drafter = make_drafter(target, block_size=3)
+    ids, mask = left_padded([[3, 4, 5, 6], [7, 8, 9]])
+    free = generate(target, ids, mask, 16)
+    eos = int(free[0, ids.shape[1]])  # row 0's first token
+    if eos in free[1, ids.shape[1] :].tolist():
+        pytest.skip("both rows produce the token")
+    seen_rows = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        seen_rows.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    target.forward = spy
+    try:
+        got = generate(target, ids, mask, 16, eos, assistant_model=drafter, draft_controller=3)
+    finally:
+        del target.forward
+    assert torch.equal(got, generate(target, ids, mask, 16, eos))
+    assert seen_rows[0] == 2 and set(seen_rows[1:]) == {1}
+    assert drafter.last_stats.rows[0].target_forwards == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(streamer="streamer"), "streamer"),
+        (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+        (
+            dict(
+                stopping_criteria=StoppingCriteriaList(
+                    [type("Never", (StoppingCriteria,), {"__call__": lambda *a, **k: torch.tensor([False, False])})()]
+                )
+            ),
+            "custom stopping criteria",
+        ),
+    ],
+)
+def test_unsupported_combinations_are_clear_errors(kwargs, message):
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    drafter = make_drafter(target)
+    ids, mask = left_padded([[3, 4], [5, 6, 7]])
+    if kwargs.get("streamer") == "streamer":  # one that takes batches (TextStreamer refuses them itself)
+        kwargs = dict(streamer=type("Batches", (BaseStreamer,), {"put": lambda *a: None, "end": lambda *a: None})())
+    with pytest.raises(ValueError, match=f"batch size > 1 does not support.*{message}"):
+        generate(target, ids, mask, 4, assistant_model=drafter, **kwargs)
+
+
+def test_sliding_window_models_are_a_clear_error():
+    from conftest import make_windowed_drafter
+
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    ids, mask = left_padded([[3, 4], [5, 6, 7]])
+    drafter = make_windowed_drafter(target, sliding_window=3)
+    with pytest.raises(ValueError, match="causal or sliding-window layers"):
+        generate(target, ids, mask, 4, assistant_model=drafter)
+
+
+def test_batch_of_one_still_runs_the_single_request_path(built_generators):
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    drafter = make_drafter(target)
+    ids, mask = left_padded([[3, 4, 5]])
+    generate(target, ids, mask, 6, assistant_model=drafter)
+    assert len(built_generators) == 1 and not isinstance(drafter.last_stats, BatchSpeculationStats)
+
+
+# ------------------------------------------------------------------------------------------- sampling
+ROWS_PER_PROMPT = 400
+DRAWS = 6
+SAMPLING_PROMPTS = [[1, 2, 3, 1, 2], [3, 3, 1]]
+
+
+def sample_rows(target, drafter):
+    """Joint counts of each prompt's first 3 sampled tokens, from batches that hold both prompts many times."""
+    prompts = [p for p in SAMPLING_PROMPTS for _ in range(ROWS_PER_PROMPT)]
+    ids, mask = left_padded(prompts)
+    counts = [torch.zeros(SAMPLING_VOCAB**3, dtype=torch.long) for _ in SAMPLING_PROMPTS]
+    weights = torch.tensor([SAMPLING_VOCAB**2, SAMPLING_VOCAB, 1])
+    drafted = accepted = 0
+    torch.manual_seed(1234)
+    for _ in range(DRAWS):
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=drafter,
+            draft_controller=4,  # the default turns drafting off for 800 rows on the fallback costs
+            do_sample=True,
+            max_new_tokens=4,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        cells = (out[:, ids.shape[1] : ids.shape[1] + 3] * weights).sum(-1)
+        for k in range(len(SAMPLING_PROMPTS)):
+            counts[k] += torch.bincount(
+                cells[k * ROWS_PER_PROMPT : (k + 1) * ROWS_PER_PROMPT], minlength=SAMPLING_VOCAB**3
+            )
+        drafted += sum(sum(r.drafted_per_round) for r in drafter.last_stats.rows)
+        accepted += sum(sum(r.accepted_per_round) for r in drafter.last_stats.rows)
+    return counts, drafted, accepted
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    model = make_target("llama", vocab_size=SAMPLING_VOCAB, hidden_size=32, layers=1, seed=0)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    return model
+
+
+def test_sampled_rows_follow_the_target_law(sampling_target):
+    drafter = make_drafter(sampling_target, seed=3, block_size=4, scale=8.0)
+    counts, drafted, accepted = sample_rows(sampling_target, drafter)
+    assert 0.1 * drafted < accepted < drafted, (drafted, accepted)
+    for k, prompt in enumerate(SAMPLING_PROMPTS):
+        stat, df = chi_square(
+            counts[k], exact_joint(sampling_target, torch.tensor([prompt]), temperature=1.0, top_k=None)
+        )
+        assert df >= 10 and stat < chi2_critical(df), f"row {k}: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_chi_square_rejects_batched_drafts_not_drawn_from_their_logits(sampling_target, monkeypatch):
+    """Negative control: drafts taken as the argmax of the logits handed to the verifier break exactness."""
+    select = batched_module.BatchedSpeculativeDecoder._select
+
+    def argmax_drafts(self, logits, width):
+        drafts, processed = select(self, logits, width)
+        return processed.argmax(-1), processed
+
+    monkeypatch.setattr(batched_module.BatchedSpeculativeDecoder, "_select", argmax_drafts)
+    drafter = make_drafter(sampling_target, seed=3, block_size=4, scale=8.0)
+    counts, _, accepted = sample_rows(sampling_target, drafter)
+    assert accepted > 0
+    stats = [
+        chi_square(counts[k], exact_joint(sampling_target, torch.tensor([p]), temperature=1.0, top_k=None))
+        for k, p in enumerate(SAMPLING_PROMPTS)
+    ]
+    assert any(stat > chi2_critical(df) for stat, df in stats), stats
+
+
+# -------------------------------------------------------------------------------------- the batch axis
+def steep_cost() -> CostModel:
+    """A device where verifying more tokens costs in proportion (a compute-bound batch)."""
+    return CostModel(target_ms={1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}, drafter_ms={2: 2.0, 4: 2.5, 8: 3.0})
+
+
+def test_batch_view_charges_the_batch_total_tokens_unless_timed():
+    cost = steep_cost()
+    assert cost.for_batch(1) is cost
+    view = cost.for_batch(4)
+    assert view.verify_ms(1) == pytest.approx(cost.verify_ms(4)) and view.verify_ms(2) == pytest.approx(
+        cost.verify_ms(8)
+    )
+    cost.batch_target_ms[4] = {1: 12.0, 2: 20.0, 4: 40.0, 8: 80.0}
+    cost.batch_drafter_ms[4] = {2: 3.0, 4: 4.0, 8: 6.0}
+    assert cost.for_batch(4).verify_ms(2) == 20.0 and "timed" in cost.for_batch(4).source
+    # between timed sizes (1 and 4): linear in the batch size
+    assert cost.for_batch(2).verify_ms(2) == pytest.approx(11.0 + (20.0 - 11.0) / 3)
+    again = CostModel.from_dict(cost.to_dict())
+    assert again.batch_target_ms == cost.batch_target_ms and again.batch_drafter_ms == cost.batch_drafter_ms
+    with pytest.raises(ValueError, match="batch_size"):
+        cost.for_batch(0)
+
+
+def test_the_guard_turns_speculation_off_as_the_batch_grows():
+    cost = steep_cost()
+    cost.batch_target_ms[16] = {1: 20.0, 2: 40.0, 4: 80.0, 8: 160.0}  # verify cost grows with the batch's tokens
+    cost.batch_drafter_ms[16] = {2: 6.0, 4: 10.0, 8: 18.0}
+    pays = []
+    for batch in (1, 16):
+        guard = SpeculationGuard(DraftController(4))
+        guard.use_cost_model(cost.for_batch(batch))
+        pays.append(guard.speculation_can_pay(4))
+    assert pays == [True, False]
+
+
+def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):
+    from hf_blockpilot import device_calibration
+
+    monkeypatch.setenv("HF_BLOCKPILOT_CALIBRATE", "1")
+    monkeypatch.setenv("HF_BLOCKPILOT_CACHE", str(tmp_path))
+    device_calibration.forget_resolved()
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    drafter = make_drafter(target, block_size=3)
+    ids, mask = left_padded([[3, 4], [5, 6, 7], [8]])
+    try:
+        generate(target, ids, mask, 6, assistant_model=drafter)
+        assert "batch of 3 timed" in drafter.last_stats.cost_model_source
+        calibration = device_calibration.load_or_calibrate(target, drafter, 3)
+        assert calibration.from_cache and set(calibration.cost_model.batch_target_ms) == {3}
+        assert set(calibration.cost_model.batch_target_ms[3]) >= {1, 2, 3}
+    finally:
+        device_calibration.forget_resolved()
