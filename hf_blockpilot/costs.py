@@ -26,7 +26,8 @@ class CostModel:
     are the same forwards over B rows at once (see `for_batch`). Sizes between measured ones are interpolated
     linearly; sizes past the largest measured one extend its last slope. `kernel_rows`: the target forwards
     over these token counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found
-    faster there. At T>0, `sampling_process_ms` is the logits processors and a softmax on one row, `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
+    faster there. At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
+    `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
 
     target_ms: dict[int, float]

@@ -231,3 +231,79 @@ def test_bench_cost_model_file_is_used_and_a_missing_one_fails_first(tmp_path, c
     assert CostModel.from_dict(report["settings"]["cost_model"]) == cost
     (plain,) = [r for r in report["runs"][0]["results"] if r["method"] == "plain"]
     assert plain["modeled_seconds"] == pytest.approx(plain["new_tokens"] * 7.0 / 1000)  # on the file's clock
+
+
+def test_batch_benchmark_times_plain_and_ours_per_batch_size(tmp_path):
+    from hf_blockpilot.tools.batch_bench import run_batch_benchmark
+    from hf_blockpilot.tools.loading import resolve_drafter, resolve_target
+
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    target, tokenizer = resolve_target(target_dir)
+    drafter = resolve_drafter(drafter_dir)
+    out = tmp_path / "batch"
+    report = run_batch_benchmark(
+        target, tokenizer, drafter, ["humaneval"], [1, 3], limit=4, max_new_tokens=6, output_dir=out
+    )
+    assert report["machine"]["device"] == "cpu" and report["settings"]["batch_sizes"] == [1, 3]
+    assert report["settings"]["controller"] and report["settings"]["pad_token_id"] == 0
+    assert [(r["dataset"], r["temperature"], r["batch_size"]) for r in report["runs"]] == [
+        ("humaneval", 0.0, 1),
+        ("humaneval", 0.0, 3),
+    ]
+    for run, sizes in zip(report["runs"], ([1, 1, 1, 1], [3, 1])):  # the last batch holds the rest
+        assert [b["rows"] for b in run["per_batch"]] == sizes and run["batches"] == len(sizes)
+        assert run["prompts"] == 4 and run["mismatches"] == 0
+        assert run["plain_tokens"] == run["ours_tokens"] == 4 * 6  # the tiny target has no EOS: every row runs out
+        assert run["plain_tokens_per_second"] > 0 and run["ours_tokens_per_second"] > 0
+        assert run["speedup"] == pytest.approx(run["ours_tokens_per_second"] / run["plain_tokens_per_second"])
+        assert run["tau"] > 0 and 0 <= run["padded_share"] < 1
+        assert 0 <= run["padded_slots"] <= run["verify_slots"] and run["verify_slots"] > 0
+    assert report["runs"][0]["padded_slots"] == 0  # one row per call: nothing to pad
+    assert json.loads((out / "results.json").read_text()) == report
+    table = (out / "results.md").read_text()
+    assert "| humaneval | 0 | 3 | 2 |" in table and "greedy mismatches" in table
+    assert (out / "throughput_vs_batch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_batch_rows_are_left_padded_and_counted_up_to_their_eos():
+    import torch
+    from conftest import char_tokenizer
+
+    from hf_blockpilot.data import chat_batch, chat_inputs
+    from hf_blockpilot.tools.batch_bench import row_tokens
+
+    tokenizer = char_tokenizer(48)
+    batch = chat_batch(tokenizer, ["abc", "a"], "cpu")
+    short = chat_inputs(tokenizer, "a", "cpu")[0]
+    assert torch.equal(batch["input_ids"][0], chat_inputs(tokenizer, "abc", "cpu")[0])
+    assert torch.equal(batch["input_ids"][1, -len(short) :], short)  # the same formatting, padded on the left
+    assert batch["attention_mask"][1].tolist() == [0, 0] + [1] * len(short)
+    tokenizer.pad_token = None  # no pad token: padded with the id given
+    unpadded = chat_batch(tokenizer, ["abc", "a"], "cpu", pad_token_id=0)
+    assert torch.equal(unpadded["input_ids"], batch["input_ids"])
+    assert torch.equal(unpadded["attention_mask"], batch["attention_mask"])
+    sequences = torch.tensor([[9, 9, 5, 2, 7, 0], [9, 9, 5, 6, 7, 8]])
+    assert row_tokens(sequences, 2, {2}) == [[5, 2], [5, 6, 7, 8]]  # EOS kept, the padding after it not
+    assert row_tokens(sequences, 2, set()) == [[5, 2, 7, 0], [5, 6, 7, 8]]
+
+
+def test_bench_batch_size_mode_from_the_command_line(tmp_path, capsys):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    out = tmp_path / "batch"
+    common = ["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
+    common += ["--datasets", "gsm8k", "--limit", "3", "--max-new-tokens", "5"]
+    code = main(
+        common + ["--batch-size", "3", "1", "--temperatures", "0", "1", "--repeats", "1", "--output-dir", str(out)]
+    )
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [(r["temperature"], r["batch_size"]) for r in report["runs"]] == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    assert [r["mismatches"] for r in report["runs"]] == [0, 0, None, None]  # compared at T = 0 only
+    assert report["settings"]["repeats"] == 1 and not (out / "speedup.png").exists()  # not the per-prompt bench
+    printed = capsys.readouterr().out
+    assert "| gsm8k | 0 | 3 | 1 |" in printed and "| gsm8k | 1 | 3 | 1 |" in printed and "| n/a |" in printed
+    code = main(common + ["--batch-size", "2", "--reference", "--output-dir", str(tmp_path / "none")])
+    assert code == 2 and "--batch-size runs the batch-size benchmark, which does not take --reference" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "none").exists()  # failed before loading or decoding anything

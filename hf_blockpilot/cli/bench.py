@@ -1,4 +1,5 @@
-"""`hf-blockpilot` commands: the benchmark: every method on the held-out sets."""
+"""`hf-blockpilot` commands: the benchmark: every method on the held-out sets; or, with `--batch-size`, plain vs
+speculative batched `generate` per batch size."""
 
 from __future__ import annotations
 
@@ -16,8 +17,18 @@ from ._common import (
     positive_int,
 )
 
+#: Options only the per-prompt bench reads: an error beside --batch-size, rather than silently ignored.
+PER_PROMPT_ONLY = {
+    "reference": "--reference",
+    "block_sizes": "--block-sizes",
+    "no_baselines": "--no-baselines",
+    "cost_model": "--cost-model",
+}
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.batch_size:
+        return cmd_batch_bench(args)
     from ..controllers import AdaptiveVerify, baseline_controllers
     from ..device_calibration import resolve_cost_model
     from ..tools.bench import markdown_report, run_benchmark
@@ -63,9 +74,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if mismatches == 0 else 1
 
 
+def cmd_batch_bench(args: argparse.Namespace) -> int:
+    """`bench --batch-size ...`: plain batched `generate` vs ours at each batch size; exit 1 on a greedy
+    mismatch."""
+    given = [flag for dest, flag in PER_PROMPT_ONLY.items() if getattr(args, dest)]
+    if given:  # before any model is loaded
+        raise ValueError(
+            f"--batch-size runs the batch-size benchmark, which does not take {', '.join(given)} "
+            "(per-prompt bench options): drop them, or drop --batch-size"
+        )
+    from ..tools.batch_bench import batch_markdown_report, run_batch_benchmark
+
+    target, tokenizer, drafter = load_models(args)
+    report = run_batch_benchmark(
+        target,
+        tokenizer,
+        drafter,
+        args.datasets,
+        args.batch_size,
+        args.temperatures,
+        args.limit,
+        args.max_new_tokens,
+        args.repeats,
+        args.output_dir,
+    )
+    print(batch_markdown_report(report))
+    return 0 if all(not run["mismatches"] for run in report["runs"] if run["temperature"] == 0) else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this module's subcommands."""
-    p = sub.add_parser("bench", help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots")
+    p = sub.add_parser(
+        "bench",
+        help="plain vs fixed block sizes vs BlockPilot vs oracle: JSON, tables, plots (--batch-size: plain vs ours per "
+        "batch size)",
+    )
     add_model_args(p)
     add_lookup_arg(p)
     add_optional_policy_arg(p)
@@ -98,5 +141,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also time the DFlash authors' loop (dflash_generate) beside ours at each fixed b, with the "
         "drafter's full-vocabulary variant on both sides (pip install --no-deps dflash==0.1.0)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        nargs="+",
+        action=SortedDistinct,
+        default=None,
+        metavar="B",
+        help="batch-size mode: instead of the per-prompt bench, cut each dataset's prompts into batches of B "
+        "(left padded) and time plain batched generate against generate(assistant_model=drafter) with the "
+        "default controller at each B given (e.g. --batch-size 1 4 8 16); writes results.json, results.md and "
+        "throughput_vs_batch.png, exits 1 on a greedy (T=0) row mismatch. Takes --datasets, --temperatures, "
+        "--limit, --max-new-tokens, --repeats, --output-dir, the model options, --policy and --prompt-lookup; "
+        "not --reference, --block-sizes, --no-baselines or --cost-model",
     )
     p.set_defaults(func=cmd_bench)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,26 +124,41 @@ def run_benchmark(
                     }
                 )
     if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "results.json").write_text(json.dumps(report, indent=2))
-        (output_dir / "results.md").write_text(markdown_report(report))
-        plot_report(report, output_dir)
+        save_report(report, output_dir, markdown_report, plot_report)
     return report
+
+
+def save_report(
+    report: dict,
+    output_dir: str | Path,
+    markdown: Callable[[dict], str],
+    plot: Callable[[dict, Path], object],
+) -> Path:
+    """Write `results.json`, `results.md` (`markdown(report)`) and the plots (`plot(report, output_dir)`)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(report, indent=2))
+    (output_dir / "results.md").write_text(markdown(report))
+    plot(report, output_dir)
+    return output_dir
+
+
+def machine_line(report: dict) -> str:
+    """The line a results table opens with: what it was measured on (a report's `machine` and `settings`)."""
+    machine, settings = report["machine"], report["settings"]
+    return (
+        f"Machine: {machine.get('device_name', machine['cpu'])} ({' '.join(machine.get('device_flags', []))}), "
+        f"{machine['cpu_threads']} threads, device {machine['device']}, dtype {machine.get('dtype', '?')}, "
+        f"torch {machine['torch']}, transformers {machine['transformers']}; costs: "
+        f"{settings.get('cost_model_source') or 'none'}."
+        + (" Prompt lookup on (every drafted method)." if settings["prompt_lookup"] else "")
+    )
 
 
 def markdown_report(report: dict) -> str:
     """Tables per dataset and temperature: tokens/s, speedup over plain, τ, mismatches, policy overhead; with a
     cost model, the modeled speedup and (fixed b, T = 0) the per-round verify oracle's."""
-    machine = report["machine"]
-    lines = [
-        f"Machine: {machine.get('device_name', machine['cpu'])} ({' '.join(machine.get('device_flags', []))}), "
-        f"{machine['cpu_threads']} threads, device {machine['device']}, dtype {machine.get('dtype', '?')}, "
-        f"torch {machine['torch']}, transformers {machine['transformers']}; costs: "
-        f"{report['settings'].get('cost_model_source') or 'none'}."
-        + (" Prompt lookup on (every drafted method)." if report["settings"]["prompt_lookup"] else ""),
-        "",
-    ]
+    lines = [machine_line(report), ""]
     for run in report["runs"]:
         modeled = any("modeled_speedup" in row for row in run["summary"].values())
         extra = " modeled speedup | per-round oracle, modeled |" if modeled else ""
@@ -211,7 +226,7 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(methods))], methods, rotation=30)
     ax.set_ylabel("speedup over plain generate")
     ax.legend(fontsize=7)
-    paths.append(_save(fig, output_dir / "speedup.png"))
+    paths.append(save_figure(fig, output_dir / "speedup.png"))
 
     fig, ax = plt.subplots(figsize=(5, 4))
     for run in runs:
@@ -222,7 +237,7 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
                 ax.scatter(oracle.block_size, chosen[oracle.prompt_id], alpha=0.5, s=15)
     ax.set_xlabel("oracle b (best measured tokens/s; 1 = plain)")
     ax.set_ylabel("widest b of the default (1 = plain)")
-    paths.append(_save(fig, output_dir / "block_sizes.png"))
+    paths.append(save_figure(fig, output_dir / "block_sizes.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in [m for m in methods if m not in ("plain", "oracle")]:
@@ -230,11 +245,11 @@ def plot_report(report: dict, output_dir: Path) -> list[Path]:
         ax.hist(taus, bins=20, alpha=0.5, label=method)
     ax.set_xlabel("τ per prompt")
     ax.legend(fontsize=7)
-    paths.append(_save(fig, output_dir / "tau.png"))
+    paths.append(save_figure(fig, output_dir / "tau.png"))
     return paths
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
