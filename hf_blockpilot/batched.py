@@ -9,8 +9,9 @@ and what it pads, recomputes and wastes, is written down in docs/batched.md):
   each round: one drafter forward over the active rows ([last, MASK x (w_r - 1)] per row, a row's slots past
       its own width masked out) -> one target forward over [last, k_r drafts, padding] per row -> per row, the
       accepted prefix plus one target token is committed (greedy: argmax match; T > 0: speculative sampling).
-  ragged acceptance: the target cache keeps every row's slots; rejected drafts and padding become holes masked
-      out of the 2-D attention mask (position ids count only real tokens), and slots no row kept are cropped.
+  ragged acceptance: each row's keys/values sit in the target cache as plain decoding would hold them (its left
+      padded prompt, then its committed tokens); a forward writes a row's slots right after its own length, and
+      the row's rejected drafts and padding, past its new length, are written over next round (`RaggedCache`).
   finished rows leave the batch at once (their cache rows are dropped), so they cost no compute.
 
 Decisions depend only on the drafter's outputs and earlier rounds, so each row is lossless: greedy rows equal the
@@ -37,6 +38,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -45,6 +47,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ._compat import cache_argument
+from .cpu_kernels import slot_key_lengths
 from .controllers import DraftController, DraftedRound
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
@@ -173,6 +176,82 @@ def _target_cache(target: PreTrainedModel, model_kwargs: dict[str, Any]) -> Any:
     return cache if cache is not None else model_kwargs.get("past_key_values", model_kwargs.get("cache"))
 
 
+class RaggedLayer(DynamicLayer):
+    """A target cache layer whose rows have their own lengths: `update` writes each row's new keys/values at the
+    offsets its `RaggedCache` planned (right after the row's committed ones) and returns the first `end` slots."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, plan: RaggedCache):
+        super().__init__()
+        self.keys, self.values, self.plan = keys, values, plan
+        self.device = keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        end = self.plan.end
+        if end > self.keys.shape[-2]:  # room for as much again: growth stays rare
+            self.keys, self.values = (self._grown(stored, 2 * end) for stored in (self.keys, self.values))
+        index = self.plan.write_index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    @staticmethod
+    def _grown(stored: torch.Tensor, capacity: int) -> torch.Tensor:
+        grown = stored.new_zeros(*stored.shape[:-2], capacity, stored.shape[-1])
+        grown[..., : stored.shape[-2], :] = stored
+        return grown
+
+    def get_seq_length(self) -> int:
+        return self.plan.end
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[indices], self.values[indices]
+
+
+class RaggedCache:
+    """The plan a batch's target cache follows after the prefill: per row, its length (the prompt's padded width,
+    then its committed tokens); per forward, where each row's slots are written and the 4-D mask that lets slot i
+    of row r see the row's real keys up to its own position. Masked keys past a row's length hold stale slots."""
+
+    def __init__(self, prompt_mask: torch.Tensor, padded: bool):
+        self.key_valid = prompt_mask  # (rows, prompt width): the prompt's padding is never attended to
+        self.padded = padded  # whether any prompt of the call is padded (plain decoding then passes a mask)
+        self.lengths = torch.full((prompt_mask.shape[0],), prompt_mask.shape[1], device=prompt_mask.device)
+        self.host_lengths = [prompt_mask.shape[1]] * prompt_mask.shape[0]
+        self.end = prompt_mask.shape[1]
+        self.write_index = self.lengths[:, None]
+
+    @classmethod
+    def convert(cls, cache: Any, prompt_mask: torch.Tensor, padded: bool) -> RaggedCache:
+        """Turn the layers of a prefilled Transformers cache into `RaggedLayer`s following one plan."""
+        plan = cls(prompt_mask, padded)
+        cache.layers = [RaggedLayer(layer.keys, layer.values, plan) for layer in cache.layers]
+        plan.cache = cache
+        return plan
+
+    def prepare(self, slots: int) -> torch.Tensor:
+        """Plan a forward of `slots` slots a row; returns its (rows, 1, slots, end) boolean mask."""
+        self.end = max(self.host_lengths) + slots
+        offsets = torch.arange(slots, device=self.lengths.device)
+        self.write_index = self.lengths[:, None] + offsets[None, :]
+        keys = torch.arange(self.end, device=self.lengths.device)
+        mask = keys[None, None, :] <= self.write_index[:, :, None]
+        prompt = self.key_valid.shape[1]
+        mask[:, :, :prompt] &= self.key_valid[:, None, :]
+        return mask[:, None]
+
+    def advance(self, committed: torch.Tensor, host_committed: list[int]) -> None:
+        """Each row keeps its first `committed` slots of the last forward."""
+        self.lengths = self.lengths + committed
+        self.host_lengths = [n + c for n, c in zip(self.host_lengths, host_committed, strict=True)]
+
+    def select_rows(self, index: torch.Tensor, stay: list[int]) -> None:
+        """Keep only the rows `index` (`stay` on the host)."""
+        self.cache.batch_select_indices(index)
+        self.key_valid, self.lengths = self.key_valid[index], self.lengths[index]
+        self.host_lengths = [self.host_lengths[r] for r in stay]
+
+
 @dataclass
 class _Row:
     """One row's state: its controller, its committed tokens (host), its statistics."""
@@ -224,9 +303,10 @@ class BatchedSpeculativeDecoder:
         self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
         self.vocab_size = self.embed_tokens.weight.shape[0]
         mask = model_kwargs.get("attention_mask")
-        self.key_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
+        self.prompt_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
         self.input_ids = input_ids
-        host_ids, host_mask = input_ids.cpu(), self.key_mask.cpu()  # once per call (counted below)
+        host_ids, host_mask = input_ids.cpu(), self.prompt_mask.cpu()  # once per call (counted below)
+        self.padded = not bool(host_mask.all())
         self.rows: list[_Row] = []
         for i, controller in enumerate(controllers):
             first_real = int(host_mask[i].argmax()) if bool(host_mask[i].any()) else input_ids.shape[1]
@@ -244,17 +324,19 @@ class BatchedSpeculativeDecoder:
             host_syncs=1,
         )
         self.finished: list[torch.Tensor] = [torch.empty(0)] * len(self.rows)
-        self.positions = self.key_mask.cumsum(-1) - 1  # as plain generate: positions count real tokens only
+        self.positions = self.prompt_mask.cumsum(-1) - 1  # as plain generate: positions count real tokens only
         self.draft_cache = DraftContextCache()
-        self.context_valid = self.key_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
+        self.context_valid = self.prompt_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, valid, positions)
 
     # ------------------------------------------------------------------------------------------- the loop
     @torch.no_grad()
     def run(self) -> torch.LongTensor:
-        prefill = self._forward(self.input_ids, self.positions.masked_fill(self.key_mask == 0, 0), 1)
-        self._keep_context(prefill, self.key_mask.bool(), self.positions)
+        prompt_mask = self.prompt_mask
+        prefill = self._forward(self.input_ids, self.positions.masked_fill(prompt_mask == 0, 0), prompt_mask, 1)
+        self._keep_context(prefill, prompt_mask.bool(), self.positions)
         self.next_position = self.positions[:, -1] + 1
+        self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded)
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
             row.stats.block_size = row.controller.max_width()
@@ -280,9 +362,9 @@ class BatchedSpeculativeDecoder:
         valid = slots[None, :] <= keep[:, None]
         block = self.anchor[:, None] if widest == 0 else torch.cat([self.anchor[:, None], drafts[:, :widest]], dim=1)
         block = block.masked_fill(~valid, self.pad_token_id)
-        self.key_mask = torch.cat([self.key_mask, valid.long()], dim=1)
         positions = self.next_position[:, None] + slots[None, :]
-        outputs = self._forward(block, positions, widest + 1)
+        with slot_key_lengths(self.plan.host_lengths, self.plan.padded):
+            outputs = self._forward(block, positions, self.plan.prepare(widest + 1), widest + 1)
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
         logits = self._process(outputs.logits[:, -(widest + 1) :].float(), block)
@@ -293,16 +375,11 @@ class BatchedSpeculativeDecoder:
         else:
             accepted, tokens = _greedy_acceptance(block[:, 1:], logits.argmax(dim=-1), keep)
         kept = slots[None, :] <= accepted[:, None]
-        # rejected drafts and padding stay in the cache as holes; slots no row kept are cropped
-        self.key_mask[:, -(widest + 1) :] = kept.long()
         self._keep_context(outputs, kept, positions)
         self.next_position = self.next_position + accepted + 1
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
-        used = max(n for n, *_ in host) + 1
-        if used < widest + 1:
-            self.cache.crop(-(widest + 1 - used))
-            self.key_mask = self.key_mask[:, : self.key_mask.shape[1] - (widest + 1 - used)]
-            self.pending[-1] = tuple(t[:, :used] for t in self.pending[-1])
+        # a row's rejected drafts and padding lie past its new length: the next round writes over them
+        self.plan.advance(accepted + 1, [n + 1 for n, *_ in host])
         self.anchor = tokens.gather(1, accepted[:, None])[:, 0]
         self._commit([toks[: n + 1] for n, *toks in host], accepted=[n for n, *_ in host])
 
@@ -437,10 +514,10 @@ class BatchedSpeculativeDecoder:
         return rounds
 
     # --------------------------------------------------------------------------------------- verifying
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep_logits: int) -> Any:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep_logits: int) -> Any:
         outputs = self.target(
             input_ids=ids,
-            attention_mask=self.key_mask,
+            attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             output_hidden_states=self.hidden_states_to_keep,
@@ -529,9 +606,8 @@ class BatchedSpeculativeDecoder:
         if not stay:
             return
         index = torch.tensor(stay, device=self.device)
-        self.cache.batch_select_indices(index)
+        self.plan.select_rows(index, stay)
         self.draft_cache.select_rows(index.to(self.drafter.device))
-        self.key_mask = self.key_mask[index]
         self.context_valid = self.context_valid[index]
         self.next_position = self.next_position[index]
         self.anchor = self.anchor[index]

@@ -423,8 +423,9 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
     # bad input fails before any forward
     call = _Call(prepare_controller(self, drafter, draft_controller, batch_size))
     mask = kwargs.get("attention_mask")
-    unpadded = batch_size == 1 and (mask is None or bool(mask.all()))  # once per call
-    undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded)
+    unpadded = mask is None or bool(mask.all())  # once per call
+    # a batch verifies with the stock kernels, as its batch axis was timed (the kernel rows are batch 1's)
+    undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded, batched=batch_size > 1)
     token = _current_call.set(call)
     try:
         output = _stock_generate(self, *args, **kwargs)

@@ -53,6 +53,13 @@ _attention_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar
 #: The name `one_token_exact_attention` is registered under.
 ONE_TOKEN_EXACT_ATTENTION = "hf_blockpilot_one_token_exact_sdpa"
 
+#: The keys each row of a batched verify forward attends over (`slot_key_lengths`), in this thread / task.
+_slot_key_lengths: contextvars.ContextVar[tuple[list[int], bool] | None] = contextvars.ContextVar(
+    "hf_blockpilot_slot_key_lengths", default=None
+)
+#: The name `slotwise_exact_attention` is registered under.
+SLOTWISE_EXACT_ATTENTION = "hf_blockpilot_slotwise_exact_sdpa"
+
 #: The name `grouped_query_attention` is registered under in Transformers' attention (and mask) interfaces.
 GROUPED_QUERY_ATTENTION = "hf_blockpilot_grouped_sdpa"
 
@@ -184,6 +191,61 @@ AttentionInterface.register(ONE_TOKEN_EXACT_ATTENTION, one_token_exact_attention
 AttentionMaskInterface.register(ONE_TOKEN_EXACT_ATTENTION, sdpa_mask)
 
 
+def slotwise_exact_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`one_token_exact_attention` for a batch's verify forwards (`hf_blockpilot.batched`): each row's query slot
+    is computed as that row's one-token decoding step computes it in plain batched `generate`, alone, over exactly
+    the keys plain decoding holds then (`slot_key_lengths`: the row's length before the forward; PyTorch's SDPA
+    rounds differently when masked keys trail) with the row's mask, or none where plain decoding passes none. The
+    prefill, and forwards outside `slot_key_lengths`, keep the stock path."""
+    plan = _slot_key_lengths.get()
+    q_len = query.shape[2]
+    if plan is None or q_len == 1 or key.shape[2] == q_len or query.device.type != "cpu":
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    lengths, masked = plan
+    kwargs = {**kwargs, "is_causal": False}
+    out = query.new_empty(query.shape[0], q_len, query.shape[1], value.shape[-1])
+    for r, length in enumerate(lengths):
+        for i in range(q_len):
+            end = length + i + 1
+            out[r : r + 1, i : i + 1] = sdpa_attention_forward(
+                module,
+                query[r : r + 1, :, i : i + 1],
+                key[r : r + 1, :, :end],
+                value[r : r + 1, :, :end],
+                attention_mask[r : r + 1, :, i : i + 1, :end] if masked else None,
+                dropout=dropout,
+                scaling=scaling,
+                **kwargs,
+            )[0]
+    return out, None
+
+
+@contextmanager
+def slot_key_lengths(lengths: list[int], masked: bool) -> Iterator[None]:
+    """Within the block, `slotwise_exact_attention` computes row r's slot i over its first `lengths[r] + i + 1`
+    keys, with the 4-D mask if `masked` (plain batched decoding passes one when any prompt is padded)."""
+    token = _slot_key_lengths.set((lengths, masked))
+    try:
+        yield
+    finally:
+        _slot_key_lengths.reset(token)
+
+
+AttentionInterface.register(SLOTWISE_EXACT_ATTENTION, slotwise_exact_attention)
+AttentionMaskInterface.register(SLOTWISE_EXACT_ATTENTION, sdpa_mask)
+
+
 def _switch_sdpa(models: Sequence[nn.Module], implementation: str) -> Callable[[], None]:
     """Switch the Transformers models among `models` that use SDPA attention to `implementation`; returns the
     function that switches them back. Other models (eager, flash, a drafter) are left alone."""
@@ -249,11 +311,17 @@ def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_R
     return undo
 
 
-def use_verify_kernels(target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True) -> Callable[[], None]:
+def use_verify_kernels(
+    target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True, batched: bool = False
+) -> Callable[[], None]:
     """What a speculative call verifies with (the one place that decides it; calibration times the same):
-    the CPU verify kernels for `kernel_rows` (where this machine's calibration measured them faster, float32);
-    else, for a half-precision SDPA target on CPU and an `unpadded` prompt, `one_token_exact_attention`, so
-    greedy output equals plain decoding bit for bit; else the stock kernels. Returns what switches back."""
+    the CPU verify kernels for `kernel_rows` (where this machine's calibration measured them faster, float32; a
+    single request); else, for a half-precision SDPA target on CPU, `one_token_exact_attention` for an
+    `unpadded` single request and `slotwise_exact_attention` for a `batched` call, so greedy output equals plain
+    decoding bit for bit; else the stock kernels. Returns what switches back."""
+    if batched:
+        exact = needs_one_token_exact_attention(target)
+        return _switch_sdpa([target], SLOTWISE_EXACT_ATTENTION) if exact else (lambda: None)
     if kernel_rows:
         return use_cpu_verify_kernels(target, rows=kernel_rows)
     if unpadded and needs_one_token_exact_attention(target):
