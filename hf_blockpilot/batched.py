@@ -190,9 +190,9 @@ class RaggedLayer(DynamicLayer):
         end = self.plan.end
         if end > self.keys.shape[-2]:  # room for as much again: growth stays rare
             self.keys, self.values = (self._grown(stored, 2 * end) for stored in (self.keys, self.values))
-        index = self.plan.write_index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        rows, slots = self.plan.row_index, self.plan.write_index  # (rows, 1), (rows, slots)
+        self.keys.transpose(1, 2)[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values.transpose(1, 2)[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     @staticmethod
@@ -220,6 +220,7 @@ class RaggedCache:
         self.host_lengths = [prompt_mask.shape[1]] * prompt_mask.shape[0]
         self.end = prompt_mask.shape[1]
         self.write_index = self.lengths[:, None]
+        self.row_index = torch.arange(prompt_mask.shape[0], device=prompt_mask.device)[:, None]
 
     @classmethod
     def convert(cls, cache: Any, prompt_mask: torch.Tensor, padded: bool) -> RaggedCache:
@@ -249,6 +250,7 @@ class RaggedCache:
         """Keep only the rows `index` (`stay` on the host)."""
         self.cache.batch_select_indices(index)
         self.key_valid, self.lengths = self.key_valid[index], self.lengths[index]
+        self.row_index = self.row_index[: len(stay)]
         self.host_lengths = [self.host_lengths[r] for r in stay]
 
 
@@ -363,7 +365,7 @@ class BatchedSpeculativeDecoder:
         block = self.anchor[:, None] if widest == 0 else torch.cat([self.anchor[:, None], drafts[:, :widest]], dim=1)
         block = block.masked_fill(~valid, self.pad_token_id)
         positions = self.next_position[:, None] + slots[None, :]
-        with slot_key_lengths(self.plan.host_lengths, self.plan.padded):
+        with slot_key_lengths(self.plan.host_lengths, [k + 1 for k in keeps], self.plan.padded):
             outputs = self._forward(block, positions, self.plan.prepare(widest + 1), widest + 1)
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
@@ -443,7 +445,7 @@ class BatchedSpeculativeDecoder:
             context_position_ids=positions,
             attention_mask=mask,
             cache=self.draft_cache,
-        ).last_hidden_state[:, 1:]
+        ).last_hidden_state[:, 1:].contiguous()  # a strided bfloat16 input sends F.linear down a slow path
         self.stats.drafter_forwards += 1
         for row in self.rows:
             row.stats.drafter_forwards += 1

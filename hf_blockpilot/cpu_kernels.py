@@ -54,7 +54,7 @@ _attention_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar
 ONE_TOKEN_EXACT_ATTENTION = "hf_blockpilot_one_token_exact_sdpa"
 
 #: The keys each row of a batched verify forward attends over (`slot_key_lengths`), in this thread / task.
-_slot_key_lengths: contextvars.ContextVar[tuple[list[int], bool] | None] = contextvars.ContextVar(
+_slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | None] = contextvars.ContextVar(
     "hf_blockpilot_slot_key_lengths", default=None
 )
 #: The name `slotwise_exact_attention` is registered under.
@@ -202,40 +202,49 @@ def slotwise_exact_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """`one_token_exact_attention` for a batch's verify forwards (`hf_blockpilot.batched`): each row's query slot
-    is computed as that row's one-token decoding step computes it in plain batched `generate`, alone, over exactly
-    the keys plain decoding holds then (`slot_key_lengths`: the row's length before the forward; PyTorch's SDPA
-    rounds differently when masked keys trail) with the row's mask, or none where plain decoding passes none. The
-    prefill, and forwards outside `slot_key_lengths`, keep the stock path."""
+    is computed as that row's one-token decoding step computes it in plain batched `generate` (the same SDPA call
+    as Transformers' `sdpa_attention_forward` makes for one query), alone, over exactly the keys plain decoding
+    holds then (PyTorch's SDPA rounds differently when masked keys trail), with the row's mask, or none where
+    plain decoding passes none (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill,
+    and forwards outside `slot_key_lengths`, keep the stock path."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
-    if plan is None or q_len == 1 or key.shape[2] == q_len or query.device.type != "cpu":
+    if plan is None or q_len == 1 or key.shape[2] == q_len or query.device.type != "cpu" or dropout:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    lengths, masked = plan
-    kwargs = {**kwargs, "is_causal": False}
-    out = query.new_empty(query.shape[0], q_len, query.shape[1], value.shape[-1])
-    for r, length in enumerate(lengths):
-        for i in range(q_len):
+    lengths, slots, masked = plan
+    batch, heads, _, head_dim = query.shape
+    groups = getattr(module, "num_key_value_groups", 1)
+    # what `sdpa_attention_forward` does for one query: GQA inside SDPA when unmasked, else query heads packed
+    # as rows of their key/value head
+    gqa = {"enable_gqa": True} if groups > 1 and not masked and head_dim <= 256 else {}
+    pack = groups > 1 and masked
+    out = query.new_zeros(batch, q_len, heads, value.shape[-1])
+    for r, (length, count) in enumerate(zip(lengths, slots, strict=True)):
+        for i in range(count):
             end = length + i + 1
-            out[r : r + 1, i : i + 1] = sdpa_attention_forward(
-                module,
-                query[r : r + 1, :, i : i + 1],
+            q = query[r : r + 1, :, i : i + 1]
+            if pack:
+                q = q.reshape(1, heads // groups, groups, head_dim)
+            attended = F.scaled_dot_product_attention(
+                q,
                 key[r : r + 1, :, :end],
                 value[r : r + 1, :, :end],
-                attention_mask[r : r + 1, :, i : i + 1, :end] if masked else None,
-                dropout=dropout,
-                scaling=scaling,
-                **kwargs,
-            )[0]
+                attn_mask=attention_mask[r : r + 1, :, i : i + 1, :end] if masked else None,
+                scale=scaling,
+                **gqa,
+            )
+            out[r, i] = attended.reshape(heads, -1)
     return out, None
 
 
 @contextmanager
-def slot_key_lengths(lengths: list[int], masked: bool) -> Iterator[None]:
-    """Within the block, `slotwise_exact_attention` computes row r's slot i over its first `lengths[r] + i + 1`
-    keys, with the 4-D mask if `masked` (plain batched decoding passes one when any prompt is padded)."""
-    token = _slot_key_lengths.set((lengths, masked))
+def slot_key_lengths(lengths: list[int], slots: list[int], masked: bool) -> Iterator[None]:
+    """Within the block, `slotwise_exact_attention` computes row r's first `slots[r]` slots, slot i over its first
+    `lengths[r] + i + 1` keys, with the 4-D mask if `masked` (plain batched decoding passes one when any prompt
+    is padded)."""
+    token = _slot_key_lengths.set((lengths, slots, masked))
     try:
         yield
     finally:

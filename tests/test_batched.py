@@ -374,3 +374,23 @@ def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):
         assert set(calibration.cost_model.batch_target_ms[3]) >= {1, 2, 3}
     finally:
         device_calibration.forget_resolved()
+
+
+def test_bfloat16_rows_bit_identical_to_plain_batched_generate():
+    """In half precision a several-token verify rounds differently from plain one-token steps; the batch verifies
+    each row's slots as plain decoding computes them, so bfloat16 rows stay token-identical too."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=5).to(torch.bfloat16)
+    for case in range(12):
+        rng = random.Random(100 + case)
+        batch = rng.randint(2, 5)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(batch)]
+        if case % 3 == 0:  # unpadded: plain decoding passes no mask
+            prompts = [p[:1] + [rng.randrange(3, VOCAB) for _ in range(19)] for p in prompts]
+        ids, mask = left_padded(prompts)
+        expected = generate(target, ids, mask, 32)
+        scripts = [real_tokens(expected[i], mask[i], None) for i in range(batch)]
+        drafter = BatchScriptedDrafter.from_target(target, block_size=rng.randint(3, 6)).eval()
+        drafter.rig(target, scripts, error_rate=0.2, seed=case)
+        got = generate(target, ids, mask, 32, assistant_model=drafter, draft_controller=drafter.block_size)
+        assert torch.equal(got, expected), f"case {case}"
+        assert max(max(row.accepted_per_round) for row in drafter.last_stats.rows) >= 2
