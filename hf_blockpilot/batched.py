@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -38,7 +39,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
-from transformers.cache_utils import DynamicLayer
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -47,8 +47,8 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ._compat import cache_argument
-from .cpu_kernels import slot_key_lengths
 from .controllers import DraftController, DraftedRound
+from .cpu_kernels import slot_key_lengths
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
 from .stats import SpeculationStats
