@@ -438,14 +438,18 @@ class BatchedSpeculativeDecoder:
         )
         visible = torch.cat([self.context_valid, slot_visible], dim=1)
         mask = visible[:, None, None, :].expand(rows, 1, width, visible.shape[1])
-        out = self.drafter(
-            block_embeds=self.drafter.embed_block(self.embed_tokens, block_ids).to(self.drafter.device),
-            block_position_ids=block_positions,
-            target_hidden=hidden,
-            context_position_ids=positions,
-            attention_mask=mask,
-            cache=self.draft_cache,
-        ).last_hidden_state[:, 1:].contiguous()  # a strided bfloat16 input sends F.linear down a slow path
+        out = (
+            self.drafter(
+                block_embeds=self.drafter.embed_block(self.embed_tokens, block_ids).to(self.drafter.device),
+                block_position_ids=block_positions,
+                target_hidden=hidden,
+                context_position_ids=positions,
+                attention_mask=mask,
+                cache=self.draft_cache,
+            )
+            .last_hidden_state[:, 1:]
+            .contiguous()
+        )  # a strided bfloat16 input sends F.linear down a slow path
         self.stats.drafter_forwards += 1
         for row in self.rows:
             row.stats.drafter_forwards += 1
