@@ -425,7 +425,7 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
     mask = kwargs.get("attention_mask")
     unpadded = mask is None or bool(mask.all())  # once per call
     # a batch verifies with the stock kernels, as its batch axis was timed (the kernel rows are batch 1's)
-    undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded, batched=batch_size > 1)
+    undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded, batch_size)
     token = _current_call.set(call)
     try:
         output = _stock_generate(self, *args, **kwargs)

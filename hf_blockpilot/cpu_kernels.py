@@ -293,6 +293,59 @@ def needs_one_token_exact_attention(model: nn.Module) -> bool:
     )
 
 
+#: (weight shape, dtype, device type) -> the most rows `F.linear` computes as it computes one (`row_exact_rows`).
+_row_exact_rows: dict[tuple, int] = {}
+#: How many rows `row_exact_rows` tries at most.
+ROW_PROBE_LIMIT = 128
+
+
+def row_exact_rows(weight: torch.Tensor) -> int:
+    """The most rows (up to `ROW_PROBE_LIMIT`) for which `F.linear(x, weight)` gives every row exactly the result
+    it gives that row alone, probed once per shape, dtype and device. BLAS libraries switch kernels, and rounding,
+    at some row counts: oneDNN's AMX bfloat16 kernels at 33 rows for the down projections and LM heads of small
+    models, so a verify over more rows than a plain step's would round differently."""
+    key = (tuple(weight.shape), weight.dtype, weight.device.type)
+    if key not in _row_exact_rows:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(ROW_PROBE_LIMIT, weight.shape[1], generator=generator).to(weight)
+        with torch.no_grad():
+            alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(ROW_PROBE_LIMIT)])
+            rows = next(
+                (m - 1 for m in range(2, ROW_PROBE_LIMIT + 1) if not torch.equal(F.linear(x[:m], weight), alone[:m])),
+                ROW_PROBE_LIMIT,
+            )
+        _row_exact_rows[key] = rows
+    return _row_exact_rows[key]
+
+
+def _row_exact_forward(module: nn.Linear, chunk: int, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if rows <= chunk:
+        return F.linear(x, module.weight, module.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    parts = [F.linear(flat[i : i + chunk], module.weight, module.bias) for i in range(0, rows, chunk)]
+    return torch.cat(parts).reshape(*x.shape[:-1], -1)
+
+
+def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None]:
+    """Make every plain `nn.Linear` of `model` compute a forward over many rows in chunks no larger than
+    `row_exact_rows` of its weight, where a plain decoding step's `step_rows` rows fit in one such chunk: each row
+    then rounds as in that step. Returns the function that undoes it."""
+    patched = []
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            chunk = row_exact_rows(module.weight)
+            if step_rows <= chunk < ROW_PROBE_LIMIT:
+                module.forward = partial(_row_exact_forward, module, chunk)
+                patched.append(module)
+
+    def undo() -> None:
+        for module in patched:
+            module.__dict__.pop("forward", None)
+
+    return undo
+
+
 def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
     """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention` for
     query lengths in `rows` (in this thread); returns the function that switches them back. Other models
@@ -321,16 +374,24 @@ def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_R
 
 
 def use_verify_kernels(
-    target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True, batched: bool = False
+    target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True, batch_size: int = 1
 ) -> Callable[[], None]:
     """What a speculative call verifies with (the one place that decides it; calibration times the same):
     the CPU verify kernels for `kernel_rows` (where this machine's calibration measured them faster, float32; a
     single request); else, for a half-precision SDPA target on CPU, `one_token_exact_attention` for an
-    `unpadded` single request and `slotwise_exact_attention` for a `batched` call, so greedy output equals plain
-    decoding bit for bit; else the stock kernels. Returns what switches back."""
-    if batched:
-        exact = needs_one_token_exact_attention(target)
-        return _switch_sdpa([target], SLOTWISE_EXACT_ATTENTION) if exact else (lambda: None)
+    `unpadded` single request, and for a batch `slotwise_exact_attention` with `use_row_exact_linears`, so
+    greedy output equals plain decoding bit for bit; else the stock kernels. Returns what switches back."""
+    if batch_size > 1:
+        if not needs_one_token_exact_attention(target):
+            return lambda: None
+        undo_attention = _switch_sdpa([target], SLOTWISE_EXACT_ATTENTION)
+        undo_linears = use_row_exact_linears(target, batch_size)
+
+        def undo() -> None:
+            undo_linears()
+            undo_attention()
+
+        return undo
     if kernel_rows:
         return use_cpu_verify_kernels(target, rows=kernel_rows)
     if unpadded and needs_one_token_exact_attention(target):

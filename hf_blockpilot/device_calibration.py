@@ -36,13 +36,13 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .cpu_kernels import skinny_linear, use_verify_kernels
+from .cpu_kernels import skinny_linear, slot_key_lengths, use_verify_kernels
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 2  # 2: half-precision verifies timed with one-token-exact attention
+CALIBRATION_VERSION = 3  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: The CPU verify kernels serve a row count only where they measured at most this share of the stock time.
@@ -293,19 +293,34 @@ def calibrate_batch(
     repeats: int = 3,
 ) -> tuple[dict[int, float], dict[int, float]]:
     """The batch axis of the cost model at `batch_size` rows: (target ms per n tokens a row, drafter ms per
-    block of b slots a row), each row after its own `context_tokens`-long cached context, stock kernels."""
+    block of b slots a row), each row after its own `context_tokens`-long cached context, verified with the kernels
+    a batched `generate` verifies with (`use_verify_kernels`: exact per-row slots in half precision on CPU)."""
     widths = sorted(set(widths) | {1})
     verify, others = _timed_forwards(target, drafter, widths, context_tokens, batch_size)
-    fns = {("target", n): verify(n) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
+
+    def as_batched(n: int) -> Callable[[], None]:  # verified as a batched `generate` verifies (exact where needed)
+        run = verify(n)
+
+        def batched() -> None:
+            with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):
+                run()
+
+        return batched
+
+    fns = {("target", n): as_batched(n) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
     name = describe_device(next(target.parameters()).device)["name"]
-    with tqdm(
-        total=(repeats + 1) * len(fns),
-        desc=f"hf-blockpilot: calibrating batch {batch_size} on {name}",
-        unit="forward",
-        leave=False,
-        mininterval=1.0,
-    ) as bar:
-        ms = interleaved_median_ms(fns, repeats, next(target.parameters()).device, bar)
+    undo = use_verify_kernels(target, [], batch_size=batch_size)
+    try:
+        with tqdm(
+            total=(repeats + 1) * len(fns),
+            desc=f"hf-blockpilot: calibrating batch {batch_size} on {name}",
+            unit="forward",
+            leave=False,
+            mininterval=1.0,
+        ) as bar:
+            ms = interleaved_median_ms(fns, repeats, next(target.parameters()).device, bar)
+    finally:
+        undo()
     return {n: ms[("target", n)] for n in widths}, {n: ms[("drafter", n)] for n in widths if n > 1}
 
 

@@ -187,3 +187,24 @@ def test_bf16_speculative_greedy_output_equals_plain_bf16_generate():
                 draft_controller=controller,
             )
             assert torch.equal(out, plain), (case, controller.describe())
+
+
+def test_row_exact_linears_round_every_row_as_it_rounds_alone():
+    """A batch's verify multiplies more rows than a plain step; in chunks of at most `row_exact_rows` (probed per
+    shape: oneDNN's AMX bfloat16 kernels switch at 33 rows on some), every row equals its one-row product."""
+    from hf_blockpilot.cpu_kernels import ROW_PROBE_LIMIT, row_exact_rows, use_row_exact_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1536, 576), torch.nn.Linear(576, 1536)).bfloat16()
+    x = torch.randn(100, 1536).bfloat16()
+    for layer in model:
+        assert 1 <= row_exact_rows(layer.weight) <= ROW_PROBE_LIMIT
+    undo = use_row_exact_linears(model, step_rows=8)
+    try:
+        out = model(x)
+    finally:
+        undo()
+    hidden = torch.cat([model[0](x[i : i + 1]) for i in range(x.shape[0])])
+    alone = torch.cat([model[1](hidden[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(out, alone)
+    assert all("forward" not in layer.__dict__ for layer in model)  # undone
