@@ -307,13 +307,15 @@ def row_exact_rows(weight: torch.Tensor) -> int:
     key = (tuple(weight.shape), weight.dtype, weight.device.type)
     if key not in _row_exact_rows:
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(ROW_PROBE_LIMIT, weight.shape[1], generator=generator).to(weight)
+        rows = ROW_PROBE_LIMIT
         with torch.no_grad():
-            alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(ROW_PROBE_LIMIT)])
-            rows = next(
-                (m - 1 for m in range(2, ROW_PROBE_LIMIT + 1) if not torch.equal(F.linear(x[:m], weight), alone[:m])),
-                ROW_PROBE_LIMIT,
-            )
+            for scale in (1.0, 8.0):  # differences show for some values only: two inputs, then a power of two
+                x = (scale * torch.randn(ROW_PROBE_LIMIT, weight.shape[1], generator=generator)).to(weight)
+                alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(rows)])
+                rows = next(
+                    (m - 1 for m in range(2, rows + 1) if not torch.equal(F.linear(x[:m], weight), alone[:m])), rows
+                )
+        rows = rows if rows == ROW_PROBE_LIMIT else 1 << (rows.bit_length() - 1)
         _row_exact_rows[key] = rows
     return _row_exact_rows[key]
 

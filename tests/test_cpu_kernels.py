@@ -201,10 +201,12 @@ def test_row_exact_linears_round_every_row_as_it_rounds_alone():
         assert 1 <= row_exact_rows(layer.weight) <= ROW_PROBE_LIMIT
     undo = use_row_exact_linears(model, step_rows=8)
     try:
-        out = model(x)
+        with torch.no_grad():
+            out = model(x)
     finally:
         undo()
-    hidden = torch.cat([model[0](x[i : i + 1]) for i in range(x.shape[0])])
-    alone = torch.cat([model[1](hidden[i : i + 1]) for i in range(x.shape[0])])
+    with torch.no_grad():
+        hidden = torch.cat([model[0](x[i : i + 1]) for i in range(x.shape[0])])
+        alone = torch.cat([model[1](hidden[i : i + 1]) for i in range(x.shape[0])])
     assert torch.equal(out, alone)
     assert all("forward" not in layer.__dict__ for layer in model)  # undone
