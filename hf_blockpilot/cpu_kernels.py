@@ -322,7 +322,7 @@ def row_exact_rows(weight: torch.Tensor) -> int:
 
 def _row_exact_forward(module: nn.Linear, chunk: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows <= chunk:
+    if rows <= chunk or _slot_key_lengths.get() is None:  # a verify forward's only: prefills run as plain ones
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     parts = [F.linear(flat[i : i + chunk], module.weight, module.bias) for i in range(0, rows, chunk)]
@@ -330,9 +330,9 @@ def _row_exact_forward(module: nn.Linear, chunk: int, x: torch.Tensor) -> torch.
 
 
 def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None]:
-    """Make every plain `nn.Linear` of `model` compute a forward over many rows in chunks no larger than
-    `row_exact_rows` of its weight, where a plain decoding step's `step_rows` rows fit in one such chunk: each row
-    then rounds as in that step. Returns the function that undoes it."""
+    """Make every plain `nn.Linear` of `model` compute a batched verify forward (within `slot_key_lengths`) over
+    many rows in chunks no larger than `row_exact_rows` of its weight, where a plain decoding step's `step_rows`
+    rows fit in one such chunk: each row then rounds as in that step. Returns the function that undoes it."""
     patched = []
     for module in model.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__:

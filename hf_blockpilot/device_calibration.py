@@ -364,7 +364,8 @@ def _timed_forwards(
                 context_position_ids=positions[:, :0],
                 cache=cache,
             ).last_hidden_state
-            skinny_linear(h[:, 1:].to(head_weight.dtype), head_weight, head_bias).argmax(-1)
+            # contiguous, as generate hands it over (a strided bfloat16 input sends F.linear down a slow path)
+            skinny_linear(h[:, 1:].contiguous().to(head_weight.dtype), head_weight, head_bias).argmax(-1)
 
         return run
 

@@ -192,7 +192,7 @@ def test_bf16_speculative_greedy_output_equals_plain_bf16_generate():
 def test_row_exact_linears_round_every_row_as_it_rounds_alone():
     """A batch's verify multiplies more rows than a plain step; in chunks of at most `row_exact_rows` (probed per
     shape: oneDNN's AMX bfloat16 kernels switch at 33 rows on some), every row equals its one-row product."""
-    from hf_blockpilot.cpu_kernels import ROW_PROBE_LIMIT, row_exact_rows, use_row_exact_linears
+    from hf_blockpilot.cpu_kernels import ROW_PROBE_LIMIT, row_exact_rows, slot_key_lengths, use_row_exact_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1536, 576), torch.nn.Linear(576, 1536)).bfloat16()
@@ -201,7 +201,7 @@ def test_row_exact_linears_round_every_row_as_it_rounds_alone():
         assert 1 <= row_exact_rows(layer.weight) <= ROW_PROBE_LIMIT
     undo = use_row_exact_linears(model, step_rows=8)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), slot_key_lengths([0], [1], masked=False):  # inside a batch's verify forward
             out = model(x)
     finally:
         undo()
