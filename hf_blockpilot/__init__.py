@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModel
 
+from .batched import BatchSpeculationStats
 from .candidate_generator import install_generate_routing
 from .configuration_block_diffusion import BlockDiffusionConfig
 from .controllers import (
@@ -50,6 +51,7 @@ __all__ = [
     "AcceptanceEMA",
     "AcceptanceModel",
     "AdaptiveVerify",
+    "BatchSpeculationStats",
     "BlockDiffusionConfig",
     "BlockDiffusionDrafter",
     "BlockPilotPolicy",

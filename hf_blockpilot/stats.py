@@ -1,5 +1,6 @@
 """Per-request speculative decoding statistics: `generate(..., return_dict_in_generate=True)` returns them as
-`output.speculation_stats`; `drafter.last_stats` is the latest call's (a convenience for one thread)."""
+`output.speculation_stats`; `drafter.last_stats` is the latest call's (a convenience for one thread). A batched
+call returns a `hf_blockpilot.batched.BatchSpeculationStats`, with one `SpeculationStats` per row."""
 
 from __future__ import annotations
 
