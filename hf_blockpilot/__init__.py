@@ -16,7 +16,6 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModel
 
-from .batched import BatchSpeculationStats
 from .candidate_generator import install_generate_routing
 from .configuration_block_diffusion import BlockDiffusionConfig
 from .controllers import (
@@ -39,7 +38,7 @@ from .cpu_kernels import cpu_verify_kernels
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy, LastLogitsMLPPolicy, PrefillMLPPolicy
 from .prompt_lookup import NgramLookup
-from .stats import SpeculationStats
+from .stats import BatchSpeculationStats, SpeculationStats
 
 __version__ = "0.1.0.dev0"
 

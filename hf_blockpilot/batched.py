@@ -51,7 +51,7 @@ from .controllers import DraftController, DraftedRound
 from .cpu_kernels import slot_key_lengths
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
-from .stats import SpeculationStats
+from .stats import BatchSpeculationStats, SpeculationStats
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
@@ -71,64 +71,6 @@ ROW_FREE_PROCESSORS = (
 HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
 #: Model inputs a batched call may carry besides `input_ids` (the loop builds masks and positions itself).
 KNOWN_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "position_ids", "logits_to_keep"}
-
-
-@dataclass
-class BatchSpeculationStats:
-    """What one batched `generate(..., assistant_model=drafter)` call did: `rows[i]` is row i's
-    `SpeculationStats` (its own widths, drafts and acceptances, and the batched forwards it took part in);
-    the totals describe the batch's forwards.
-
-    Attributes:
-        batch_size: rows in the call.
-        target_forwards: batched target forwards, prefill included.
-        drafter_forwards: batched drafter forwards.
-        verify_slots: row x slot positions sent to the target after the prefill (finished rows excluded).
-        padded_slots: of those, padding: slots of rows that verified fewer drafts than the round's widest.
-        host_syncs: device-to-host transfers the loop waited for.
-        cost_model_source: where the costs the decisions weighed came from.
-    """
-
-    rows: list[SpeculationStats]
-    batch_size: int
-    target_forwards: int = 0
-    drafter_forwards: int = 0
-    verify_slots: int = 0
-    padded_slots: int = 0
-    host_syncs: int = 0
-    cost_model_source: str = ""
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens committed over all rows."""
-        return sum(row.new_tokens for row in self.rows)
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per row per target forward that row took part in (plain decoding: 1.0)."""
-        forwards = sum(row.target_forwards for row in self.rows)
-        return self.new_tokens / forwards if forwards else 0.0
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens committed per verify round that carried drafts, over all rows."""
-        rounds = [c for row in self.rows for c in row.committed_per_draft_round]
-        return sum(rounds) / len(rounds) if rounds else 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size,
-            "target_forwards": self.target_forwards,
-            "drafter_forwards": self.drafter_forwards,
-            "verify_slots": self.verify_slots,
-            "padded_slots": self.padded_slots,
-            "host_syncs": self.host_syncs,
-            "cost_model_source": self.cost_model_source,
-            "new_tokens": self.new_tokens,
-            "tau": self.tau,
-            "acceptance_length": self.acceptance_length,
-            "rows": [row.to_dict() for row in self.rows],
-        }
 
 
 def check_batched_call(

@@ -32,13 +32,13 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
-from .batched import BatchedSpeculativeDecoder, BatchSpeculationStats, check_batched_call
+from .batched import BatchedSpeculativeDecoder, check_batched_call
 from .controllers import DraftController, DraftedRound, resolve_controller
 from .cpu_kernels import skinny_linear, use_verify_kernels
 from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
-from .stats import SpeculationStats
+from .stats import BatchSpeculationStats, SpeculationStats
 
 if TYPE_CHECKING:
     from transformers import (

@@ -18,6 +18,7 @@ import hf_blockpilot.batched as batched_module
 from hf_blockpilot import (
     AcceptanceEMA,
     AdaptiveVerify,
+    BatchSpeculationStats,
     CostModel,
     DraftController,
     EntropyStop,
@@ -26,7 +27,6 @@ from hf_blockpilot import (
     PrefillMLPPolicy,
     SpeculationGuard,
 )
-from hf_blockpilot.batched import BatchSpeculationStats
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 

@@ -16,11 +16,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..batched import BatchSpeculationStats
 from ..candidate_generator import prepare_controller
 from ..data import chat_batch, load_prompts
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from ..stats import SpeculationStats
+from ..stats import BatchSpeculationStats, SpeculationStats
 from .bench import machine_info, machine_line, save_figure, save_report
 from .evaluation import timed_call
 
