@@ -47,9 +47,10 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ._compat import cache_argument
-from .controllers import DraftController, DraftedRound
+from .controllers import DraftController, DraftedRound, SpeculationGuard
 from .cpu_kernels import slot_key_lengths
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from .policy import MIN_PREDICTED_GAIN
 from .prompt_lookup import NgramLookup
 from .stats import BatchSpeculationStats, SpeculationStats
 
@@ -218,6 +219,7 @@ class BatchedSpeculativeDecoder:
         target: PreTrainedModel,
         drafter: BlockDiffusionDrafter,
         controllers: list[DraftController],
+        guard: SpeculationGuard | None,
         input_ids: torch.LongTensor,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList,
@@ -226,6 +228,7 @@ class BatchedSpeculativeDecoder:
         hidden_states_to_keep: bool | list[int],
     ):
         self.target, self.drafter = target, drafter
+        self.guard = guard
         self.device = input_ids.device
         self.config = generation_config
         self.do_sample = bool(generation_config.do_sample)
@@ -290,6 +293,10 @@ class BatchedSpeculativeDecoder:
             )
             row.stats.target_forwards = 1
             row.stats.widths_per_round.append(1)
+        if self.guard is not None:
+            widest = max(row.controller.max_width() for row in self.rows)
+            gain = self._predicted_batch_gain(widest)
+            self.guard.begin(self.temperature, widest if gain is None or gain >= 1 + MIN_PREDICTED_GAIN else 1)
         logits = self._process(prefill.logits[:, -1:].float())
         first = self._pick(logits)[:, 0]
         self.anchor = first
@@ -297,6 +304,25 @@ class BatchedSpeculativeDecoder:
         while self.rows:
             self._round()
         return self._sequences()
+
+    def _predicted_batch_gain(self, widest: int) -> float | None:
+        """The batch's predicted speedup over plain batched steps when each row drafts its own width: the rows'
+        mean predicted τ (1 for a row its policy keeps plain) per round of the widest one, under the batch's costs.
+        `None` where a drafting row's controller predicts no τ (then the guard's prior decides alone)."""
+        if widest <= 1:
+            return 0.0
+        taus = []
+        for row in self.rows:
+            width, predicted = row.controller.max_width(), row.controller.policy_probs
+            if width <= 1:
+                taus.append(1.0)
+            elif predicted is None or not getattr(getattr(row.controller, "policy", None), "weighs_costs", False):
+                return None
+            else:
+                taus.append(predicted[width])
+        cost = self.guard.cost_model
+        plain_ms = cost.modeled_round_ms(1, 0, self.temperature)
+        return sum(taus) / len(taus) * plain_ms / cost.modeled_round_ms(widest, widest - 1, self.temperature)
 
     def _round(self) -> None:
         drafts, draft_logits, keeps = self._draft()
@@ -322,6 +348,8 @@ class BatchedSpeculativeDecoder:
         self._keep_context(outputs, kept, positions)
         self.next_position = self.next_position + accepted + 1
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
+        if self.guard is not None:  # the batch's round, as the mean row's
+            self.guard.observe(sum(keeps) / len(keeps), sum(n for n, *_ in host) / len(host))
         # a row's rejected drafts and padding lie past its new length: the next round writes over them
         self.plan.advance(accepted + 1, [n + 1 for n, *_ in host])
         self.anchor = tokens.gather(1, accepted[:, None])[:, 0]
@@ -331,9 +359,10 @@ class BatchedSpeculativeDecoder:
     def _draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
         """This round's drafts (rows, slots) and their draft logits, and per row how many go to the target."""
         widths, budgets = [], []
+        drafting = self.guard is None or self.guard.width() > 1  # the guard may pause the whole batch
         for row in self.rows:
             room = self.max_length - row.ids.shape[1]
-            width = min(row.controller.width(), room + 1)
+            width = min(row.controller.width() if drafting else 1, room + 1)
             budgets.append(max(min(width - 1, room - 1), 0))
             widths.append(width if budgets[-1] > 0 else 1)
             row.lookup_drafts = (

@@ -33,7 +33,7 @@ from transformers.utils import ModelOutput
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
 from .batched import BatchedSpeculativeDecoder, check_batched_call
-from .controllers import DraftController, DraftedRound, resolve_controller
+from .controllers import DraftController, DraftedRound, SpeculationGuard, resolve_controller
 from .cpu_kernels import skinny_linear, use_verify_kernels
 from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
@@ -526,15 +526,18 @@ def _assisted_decoding(
     model_kwargs = {k: v for k, v in kwargs.items() if k not in CALL_ARGUMENTS}
     check_batched_call(self, drafter, generation_config, stopping_criteria, streamer, model_kwargs)
     batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
-    controllers = []
-    for _ in range(input_ids.shape[0]):
-        row_controller = controller.for_request()
-        row_controller.use_cost_model(batch_cost)
-        controllers.append(row_controller)
+    # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
+    guard, per_row = None, controller
+    if isinstance(controller, SpeculationGuard):
+        guard, per_row = controller.for_request(), controller.inner
+    controllers = [per_row.for_request() for _ in range(input_ids.shape[0])]
+    for each in [guard, *controllers] if guard is not None else controllers:
+        each.use_cost_model(batch_cost)
     decoder = BatchedSpeculativeDecoder(
         self,
         drafter,
         controllers,
+        guard,
         input_ids,
         generation_config,
         logits_processor,

@@ -490,7 +490,8 @@ class SpeculationGuard(DelegatingController):
     pauses drafting for `first_pause` plain rounds, doubling (up to `max_pause`) while probes keep losing.
     `timing="measured"` (default) times each round by the wall clock, the plain steps too once a pause has
     run them (before that: the cost model's plain step), so the overheads no cost model sees count;
-    `"modeled"` uses the cost model alone (deterministic).
+    `"modeled"` uses the cost model alone (deterministic). In a batch one guard judges the whole batch (its
+    rounds are shared): `observe` then hears the rows' mean verified and accepted drafts.
     """
 
     name = "guarded"
@@ -534,8 +535,13 @@ class SpeculationGuard(DelegatingController):
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         super().start(prefill_outputs, lm_head, temperature)
+        self.begin(temperature, self.inner.max_width())
+
+    def begin(self, temperature: float, widest: int) -> None:
+        """Start judging: the request decodes plain if drafting `widest` slots cannot pay. A batch's guard starts
+        here, its rows' own controllers having read their prefills (`hf_blockpilot.batched`)."""
         self.temperature = temperature
-        self.plain_request = not self.speculation_can_pay(self.inner.max_width())
+        self.plain_request = not self.speculation_can_pay(widest)
         self.last_time = self.clock()
 
     def speculation_can_pay(self, width: int) -> bool:
@@ -557,7 +563,7 @@ class SpeculationGuard(DelegatingController):
     def max_width(self) -> int:
         return 1 if self.plain_request else self.inner.max_width()
 
-    def observe(self, verified: int, accepted: int) -> None:
+    def observe(self, verified: float, accepted: float) -> None:
         now = self.clock()
         elapsed, self.last_time = now - self.last_time, now
         if self.last_width <= 1:  # a plain round: the request is plain, or a pause is running down

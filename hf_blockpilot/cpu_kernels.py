@@ -205,11 +205,12 @@ def slotwise_exact_attention(
     is computed as that row's one-token decoding step computes it in plain batched `generate` (the same SDPA call
     as Transformers' `sdpa_attention_forward` makes for one query), alone, over exactly the keys plain decoding
     holds then (PyTorch's SDPA rounds differently when masked keys trail), with the row's mask, or none where
-    plain decoding passes none (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill,
-    and forwards outside `slot_key_lengths`, keep the stock path."""
+    plain decoding passes none (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a
+    one-token step of rows of one length, and forwards outside `slot_key_lengths` keep the stock path."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
-    if plan is None or q_len == 1 or key.shape[2] == q_len or query.device.type != "cpu" or dropout:
+    lockstep = plan is not None and q_len == 1 and len(set(plan[0])) == 1  # one step, no row's keys trail masked
+    if plan is None or lockstep or key.shape[2] == q_len or query.device.type != "cpu" or dropout:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

@@ -59,6 +59,15 @@ def make_target(family: str = "llama", vocab_size: int = 97, hidden_size: int = 
     return model.eval()
 
 
+def make_sharp_target(vocab_size: int = 4):
+    """A one-layer tiny-vocab target whose next-token law is far from uniform (a random init is nearly uniform),
+    for the chi-square tests of sampling."""
+    model = make_target("llama", vocab_size=vocab_size, hidden_size=32, layers=1, seed=0)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    return model
+
+
 def make_drafter(target, seed: int = 0, block_size: int = 8, scale: float = 1.0, **kwargs) -> BlockDiffusionDrafter:
     """A random drafter for `target`; `scale` > 1 sharpens its (random) draft distribution."""
     torch.manual_seed(seed)

@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from conftest import BatchScriptedDrafter, char_tokenizer, make_drafter, make_target
+from conftest import BatchScriptedDrafter, char_tokenizer, make_drafter, make_sharp_target, make_target
+from test_policy import make_policy
 from test_sampling import VOCAB as SAMPLING_VOCAB
 from test_sampling import chi2_critical, chi_square, exact_joint
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -24,7 +25,6 @@ from hf_blockpilot import (
     EntropyStop,
     HeuristicSchedule,
     PolicyBlockSize,
-    PrefillMLPPolicy,
     SpeculationGuard,
 )
 
@@ -57,18 +57,6 @@ def real_tokens(row: torch.Tensor, mask_row: torch.Tensor, eos: int | None) -> l
     return row[:prompt_len][mask_row.bool()].tolist() + out
 
 
-def tiny_policy(candidates=(1, 3, 6)):
-    torch.manual_seed(0)
-    return PrefillMLPPolicy(
-        candidates=list(candidates),
-        feature_layers=[1, 3],
-        target_hidden_size=HIDDEN,
-        target_vocab_size=VOCAB,
-        target_num_layers=LAYERS,
-        width=16,
-    ).eval()
-
-
 CONTROLLERS = {
     "default": lambda: None,
     "fixed": lambda: DraftController(5),
@@ -77,8 +65,8 @@ CONTROLLERS = {
     "entropy": lambda: EntropyStop(max_block_size=8, threshold=0.1),
     "adaptive": lambda: AdaptiveVerify(6),
     "guarded": lambda: SpeculationGuard(DraftController(6), timing="modeled"),
-    "policy": lambda: PolicyBlockSize(tiny_policy()),
-    "adaptive+policy": lambda: AdaptiveVerify(policy=tiny_policy((2, 4, 8))),
+    "policy": lambda: PolicyBlockSize(make_policy(None)),
+    "adaptive+policy": lambda: AdaptiveVerify(policy=make_policy(None, candidates=(2, 4, 8))),
 }
 
 
@@ -285,10 +273,7 @@ def sample_rows(target, drafter):
 
 @pytest.fixture(scope="module")
 def sampling_target():
-    model = make_target("llama", vocab_size=SAMPLING_VOCAB, hidden_size=32, layers=1, seed=0)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(8.0)
-    return model
+    return make_sharp_target(SAMPLING_VOCAB)
 
 
 def test_sampled_rows_follow_the_target_law(sampling_target):
@@ -376,6 +361,18 @@ def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):
         device_calibration.forget_resolved()
 
 
+class Alternating(DraftController):
+    """Drafts its block size on even rounds, nothing on odd ones."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.rounds = 0
+
+    def width(self) -> int:
+        self.rounds += 1
+        return self.block_size if self.rounds % 2 else 1
+
+
 def test_bfloat16_rows_bit_identical_to_plain_batched_generate():
     """In half precision a several-token verify rounds differently from plain one-token steps; the batch verifies
     each row's slots as plain decoding computes them, so bfloat16 rows stay token-identical too."""
@@ -391,6 +388,8 @@ def test_bfloat16_rows_bit_identical_to_plain_batched_generate():
         scripts = [real_tokens(expected[i], mask[i], None) for i in range(batch)]
         drafter = BatchScriptedDrafter.from_target(target, block_size=rng.randint(3, 6)).eval()
         drafter.rig(target, scripts, error_rate=0.2, seed=case)
-        got = generate(target, ids, mask, 32, assistant_model=drafter, draft_controller=drafter.block_size)
+        # every other case pauses all rows on alternate rounds: one-token steps of rows of different lengths
+        controller = Alternating(drafter.block_size) if case % 2 else drafter.block_size
+        got = generate(target, ids, mask, 32, assistant_model=drafter, draft_controller=controller)
         assert torch.equal(got, expected), f"case {case}"
         assert max(max(row.accepted_per_round) for row in drafter.last_stats.rows) >= 2

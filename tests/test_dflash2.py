@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import greedy_generate, init_dflash2, make_dflash2_drafter, make_target
+from conftest import greedy_generate, init_dflash2, make_dflash2_drafter, make_sharp_target, make_target
 from test_reference_parity import (
     _target,
     assert_rounds_equal_the_reference,
@@ -220,10 +220,7 @@ SAMPLING_VOCAB = 4
 
 @pytest.fixture(scope="module")
 def sampling_target():
-    model = make_target("llama", vocab_size=SAMPLING_VOCAB, hidden_size=32, layers=1, seed=0)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(8.0)
-    return model
+    return make_sharp_target(SAMPLING_VOCAB)
 
 
 def _sampling_drafter(target) -> BlockDiffusionDrafter:
