@@ -6,6 +6,8 @@ and what it pads, recomputes and wastes, is written down in docs/batched.md):
   prefill: the plain batched prefill (left padding, position ids from the attention mask, as plain `generate`);
   per row: its own controller (a copy of the call's) picks the row's width from the row's own prefill states
       and, each round, how many of the row's drafts to verify, against the cost model at the batch's size;
+  one guard for the batch (its rounds are shared): it starts the batch plain where drafting is not predicted to
+      pay and pauses every row's drafting while the batch's measured rate loses to plain batched steps;
   each round: one drafter forward over the active rows ([last, MASK x (w_r - 1)] per row, a row's slots past
       its own width masked out) -> one target forward over [last, k_r drafts, padding] per row -> per row, the
       accepted prefix plus one target token is committed (greedy: argmax match; T > 0: speculative sampling).

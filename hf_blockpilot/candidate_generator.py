@@ -372,9 +372,10 @@ _stock_generate = GenerationMixin.generate
 
 @dataclasses.dataclass
 class _Call:
-    """One `generate` call's own controller, and the statistics its generator records."""
+    """One `generate` call's own controller, its batch size, and the statistics its generator records."""
 
     controller: DraftController
+    batch_size: int = 1
     stats: SpeculationStats | BatchSpeculationStats | None = None
 
 
@@ -421,7 +422,7 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
         return _stock_generate(self, *args, **kwargs)
     batch_size = _batch_size(args, kwargs)
     # bad input fails before any forward
-    call = _Call(prepare_controller(self, drafter, draft_controller, batch_size))
+    call = _Call(prepare_controller(self, drafter, draft_controller, batch_size), batch_size)
     mask = kwargs.get("attention_mask")
     unpadded = mask is None or bool(mask.all())  # once per call
     # a batch verifies with the stock kernels, as its batch axis was timed (the kernel rows are batch 1's)
@@ -444,6 +445,13 @@ def _validate_generation_mode(
     # wrong drafter is named as such, not as a tokenizer mismatch); here only the mode is left to check
     drafter = kwargs.get("assistant_model")
     if isinstance(drafter, BlockDiffusionDrafter):
+        call = _current_call.get()
+        if generation_mode != GenerationMode.ASSISTED_GENERATION and call is not None and call.batch_size > 1:
+            raise ValueError(
+                f"block-diffusion speculative decoding with batch size > 1 does not support generation mode "
+                f"{generation_mode.value} (e.g. num_beams > 1): use greedy search or sampling (num_beams=1), or "
+                "generate without assistant_model."
+            )
         if generation_mode != GenerationMode.ASSISTED_GENERATION:  # Transformers then ignores the assistant
             warnings.warn(
                 f"generation mode is {generation_mode.value} (e.g. num_beams > 1), so Transformers does not use the "

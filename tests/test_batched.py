@@ -218,6 +218,13 @@ def test_unsupported_combinations_are_clear_errors(kwargs, message):
         generate(target, ids, mask, 4, assistant_model=drafter, **kwargs)
 
 
+def test_beam_search_with_a_batch_is_a_clear_error():
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    ids, mask = left_padded([[3, 4], [5, 6, 7]])
+    with pytest.raises(ValueError, match="batch size > 1 does not support generation mode beam_search"):
+        generate(target, ids, mask, 4, assistant_model=make_drafter(target), num_beams=2)
+
+
 def test_sliding_window_models_are_a_clear_error():
     from conftest import make_windowed_drafter
 
@@ -393,3 +400,19 @@ def test_bfloat16_rows_bit_identical_to_plain_batched_generate():
         got = generate(target, ids, mask, 32, assistant_model=drafter, draft_controller=controller)
         assert torch.equal(got, expected), f"case {case}"
         assert max(max(row.accepted_per_round) for row in drafter.last_stats.rows) >= 2
+
+
+def test_the_default_drafts_in_a_small_batch_and_decodes_a_large_one_plain():
+    """On the CPU fallback costs (a batch charged by its total tokens) the batch's guard lets 2 rows draft and
+    keeps 48 plain: the verify of 48 rows x 8 slots costs far more than a plain batched step."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=6)
+    drafter = make_drafter(target, block_size=8)
+    drafted = {}
+    for batch in (2, 48):
+        ids, mask = left_padded([[3 + (i * 7 + j) % 40 for j in range(5 + i % 3)] for i in range(batch)])
+        got = generate(target, ids, mask, 8, assistant_model=drafter)
+        assert torch.equal(got, generate(target, ids, mask, 8))
+        stats = drafter.last_stats
+        assert "batch of" in stats.cost_model_source
+        drafted[batch] = sum(sum(row.drafted_per_round) for row in stats.rows)
+    assert drafted[2] > 0 and drafted[48] == 0, drafted

@@ -475,7 +475,7 @@ def test_a_tau_policy_is_served_by_default_with_this_machines_costs(target, monk
         (CostModel(target_ms={1: 30.0, 8: 31.0}, drafter_ms={2: 2.0, 8: 2.5}), 8),
         (CostModel(target_ms={1: 30.0, 2: 40.0, 8: 240.0}, drafter_ms={2: 2.0, 8: 2.5}), 2),
     ):
-        monkeypatch.setattr(candidate_generator, "resolve_cost_model", lambda *args, c=cost: c)
+        monkeypatch.setattr(candidate_generator, "resolve_cost_model", lambda *args, c=cost, **kwargs: c)
         out = _greedy(target, _prompt(4), assistant_model=drafter)
         assert torch.equal(out, _greedy(target, _prompt(4)))
         assert drafter.last_stats.block_size == width
