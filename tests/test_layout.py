@@ -47,9 +47,8 @@ def test_the_loop_version_probe_matches_the_installed_loop():
     newest release), so a wrong version bound fails a test instead of a user's decoding."""
     import inspect
 
-    from transformers.generation import GenerationMixin
-
     from hf_blockpilot._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP
+    from hf_blockpilot.candidate_generator import _stock_assisted_decoding  # Transformers' own, before routing
 
-    checks_candidates = "is_done_candidate" in inspect.getsource(GenerationMixin._assisted_decoding)
+    checks_candidates = "is_done_candidate" in inspect.getsource(_stock_assisted_decoding)
     assert checks_candidates == LOOP_CHECKS_CANDIDATES_FOR_STOP
