@@ -428,12 +428,7 @@ class BatchedSpeculativeDecoder:
             row.stats.drafter_forwards += 1
         self.draft_hidden = out
         logits = F.linear(out.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
-        logits = self.drafter.finish_logits(logits.float())
-        if self.drafter.d2t is None:
-            return logits
-        full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
-        full[..., self.drafter.d2t.to(logits.device)] = logits
-        return full
+        return self.drafter.full_vocabulary(self.drafter.finish_logits(logits.float()), self.vocab_size)
 
     def _extend_draft_context(self) -> None:
         """Rounds drafted by prompt lookup alone: the drafter only takes in the new context."""

@@ -262,11 +262,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             self.kernel_rows,
         )
         logits = self.drafter.finish_logits(logits.float())
-        if self.drafter.d2t is None:
-            return logits, logits, hidden
-        full = logits.new_full((*logits.shape[:2], self.vocab_size), float("-inf"))
-        full[..., self.drafter.d2t.to(logits.device)] = logits
-        return full, logits, hidden
+        return self.drafter.full_vocabulary(logits, self.vocab_size), logits, hidden
 
     def _lookup_drafts(
         self, input_ids: torch.LongTensor, model_outputs: Any, looked_up: list[int]

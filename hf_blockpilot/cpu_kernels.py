@@ -88,12 +88,22 @@ def use_skinny_linears(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS)
     Modules whose `forward` is already overridden on the instance (accelerate offload hooks, an enclosing
     `skinny_linears`) are left alone, so nesting is safe and hooks keep working.
     """
+    return _patch_linears(models, lambda module: partial(_skinny_forward, module, frozenset(rows)))
+
+
+def _patch_linears(
+    models: Sequence[nn.Module], forward_for: Callable[[nn.Linear], Callable | None]
+) -> Callable[[], None]:
+    """Give every plain `nn.Linear` of `models` whose `forward` is not already overridden on the instance the
+    forward `forward_for(module)` returns (`None`: leave it); returns the function that undoes it."""
     patched = []
     for model in models:
         for module in model.modules():
             if type(module) is nn.Linear and "forward" not in module.__dict__:
-                module.forward = partial(_skinny_forward, module, frozenset(rows))
-                patched.append(module)
+                forward = forward_for(module)
+                if forward is not None:
+                    module.forward = forward
+                    patched.append(module)
 
     def undo() -> None:
         for module in patched:
@@ -334,19 +344,12 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None
     """Make every plain `nn.Linear` of `model` compute a batched verify forward (within `slot_key_lengths`) over
     many rows in chunks no larger than `row_exact_rows` of its weight, where a plain decoding step's `step_rows`
     rows fit in one such chunk: each row then rounds as in that step. Returns the function that undoes it."""
-    patched = []
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
-            chunk = row_exact_rows(module.weight)
-            if step_rows <= chunk < ROW_PROBE_LIMIT:
-                module.forward = partial(_row_exact_forward, module, chunk)
-                patched.append(module)
 
-    def undo() -> None:
-        for module in patched:
-            module.__dict__.pop("forward", None)
+    def forward_for(module: nn.Linear) -> Callable | None:
+        chunk = row_exact_rows(module.weight)
+        return partial(_row_exact_forward, module, chunk) if step_rows <= chunk < ROW_PROBE_LIMIT else None
 
-    return undo
+    return _patch_linears([model], forward_for)
 
 
 def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:

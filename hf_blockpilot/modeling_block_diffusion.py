@@ -450,6 +450,15 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def full_vocabulary(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(..., V) logits over the target's `vocab_size` ids from (..., draft vocab) ones: ids outside a reduced
+        draft vocabulary get -inf (probability 0); full-vocabulary logits are returned as they are."""
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        full[..., self.d2t.to(logits.device)] = logits
+        return full
+
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """`hidden_norm(fc(concat of target layers))`: the context fed to every draft layer."""
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
