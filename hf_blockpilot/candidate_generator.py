@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
 from .batched import BatchedSpeculativeDecoder, check_batched_call
 from .controllers import DraftController, DraftedRound, SpeculationGuard, resolve_controller
-from .cpu_kernels import skinny_linear, use_verify_kernels
+from .cpu_kernels import set_verifying, skinny_linear, use_verify_kernels
 from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
@@ -163,10 +163,12 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.stats.drafted_per_round.append(drafts.shape[1])
         if drafts.shape[1] == 0:
             return input_ids, None
+        set_verifying(True)  # the target forward that follows verifies them (until `update_candidate_strategy`)
         return torch.cat([input_ids, drafts], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: Any) -> None:
         """Record the round's outcome and tell the controller."""
+        set_verifying(False)
         accepted = int(num_matches)
         self.stats.accepted_per_round.append(accepted)
         self.stats.new_tokens = input_ids.shape[1] - self.stats.prompt_tokens
@@ -392,6 +394,14 @@ def prepare_controller(
     prepared = resolve_controller(drafter, controller).for_request()
     prepared.check_compatible(target, drafter)
     cost = resolve_cost_model(target, drafter, prepared.cost_model, prepared.max_width(), batch_size=batch_size)
+    if cost.inexact_rows:
+        warnings.warn(
+            f"hf-blockpilot: {cost.source}: verify forwards over {cost.inexact_rows} tokens do not give the logits "
+            "of plain decoding's one-token steps bit for bit on this machine, even on the exact path, so greedy "
+            "output may differ from plain `generate` in this dtype where two tokens nearly tie; decode in another "
+            "dtype (`--dtype auto` picks a lossless one) for token-identical output",
+            stacklevel=3,
+        )
     prepared.use_cost_model(cost)
     return prepared
 

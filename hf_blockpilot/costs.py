@@ -26,7 +26,9 @@ class CostModel:
     are the same forwards over B rows at once (see `for_batch`). Sizes between measured ones are interpolated
     linearly; sizes past the largest measured one extend its last slope. `kernel_rows`: the target forwards
     over these token counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found
-    faster there. At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
+    exact and faster there. `inexact_rows`: verify forwards over these token counts were probed not to give
+    plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
+    At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
     `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
 
@@ -37,6 +39,7 @@ class CostModel:
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
     kernel_rows: list[int] = field(default_factory=list)  # row counts timed with the CPU verify kernels on
+    inexact_rows: list[int] = field(default_factory=list)  # verifies over these token counts round unlike plain
     batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
     batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
     source: str = field(default="", compare=False)  # where the figures come from (calibration, fallback, file)
@@ -135,6 +138,7 @@ class CostModel:
         raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
         raw["kernel_rows"] = [int(n) for n in raw.get("kernel_rows", [])]
+        raw["inexact_rows"] = [int(n) for n in raw.get("inexact_rows", [])]
         for axis in ("batch_target_ms", "batch_drafter_ms"):
             raw[axis] = {int(b): {int(k): float(v) for k, v in t.items()} for b, t in raw.get(axis, {}).items()}
         if "sampling_row_ms" in raw:

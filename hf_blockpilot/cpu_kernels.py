@@ -292,48 +292,92 @@ def use_one_token_exact_attention(*models: nn.Module) -> Callable[[], None]:
     return _switch_sdpa(models, ONE_TOKEN_EXACT_ATTENTION)
 
 
-def needs_one_token_exact_attention(model: nn.Module) -> bool:
-    """Whether a verify forward of `model` needs `one_token_exact_attention` to match plain decoding bit for
-    bit: a half-precision SDPA model on CPU (in float32 the linear layers already differ by rounding between a
-    one-row and a several-row product, and a flip of a greedy choice is far rarer)."""
-    parameter = next(model.parameters())
-    return (
-        parameter.device.type == "cpu"
-        and parameter.dtype in (torch.bfloat16, torch.float16)
-        and getattr(model.config, "_attn_implementation", None) == "sdpa"
-    )
+def needs_exact_verify(model: nn.Module) -> bool:
+    """Whether a verify forward of `model` takes the exact path (`use_verify_kernels`): every model on CPU.
+
+    CPU kernels round a product of k rows unlike k products of one row (MKL's float32 GEMM against its GEMV on
+    every CPU seen; oneDNN's bfloat16 kernels for long reductions on an AMD EPYC with AVX512-BF16, never on an
+    Intel Xeon with AMX), and PyTorch's SDPA rounds several masked queries unlike one: a near-tie can then flip a
+    greedy choice. Calibration probes that the path is exact here (`probe_exact_verify`)."""
+    return next(model.parameters()).device.type == "cpu"
 
 
-#: (weight shape, dtype, device type) -> the most rows `F.linear` computes as it computes one (`row_exact_rows`).
+#: (weight shape, bias or not, dtype, device type) -> the most rows `F.linear` computes as it computes one.
 _row_exact_rows: dict[tuple, int] = {}
 #: How many rows `row_exact_rows` tries at most.
 ROW_PROBE_LIMIT = 128
+#: `row_exact_rows` first tries this many inputs of this many rows.
+SMALL_PROBE_TRIALS, SMALL_PROBE_ROWS = 16, 8
+#: The row counts `row_exact_rows` tries: every count a single request verifies, then the edges of the
+#: power-of-two blocks kernels switch at.
+_PROBED_ROWS = sorted({*range(2, 18), *(1 << i for i in range(5, 8)), *((1 << i) + 1 for i in range(4, 7))})
 
 
-def row_exact_rows(weight: torch.Tensor) -> int:
-    """The most rows (up to `ROW_PROBE_LIMIT`) for which `F.linear(x, weight)` gives every row exactly the result
-    it gives that row alone, probed once per shape, dtype and device. BLAS libraries switch kernels, and rounding,
-    at some row counts: oneDNN's AMX bfloat16 kernels at 33 rows for the down projections and LM heads of small
-    models, so a verify over more rows than a plain step's would round differently."""
-    key = (tuple(weight.shape), weight.dtype, weight.device.type)
+def row_exact_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """The most rows (a power of two up to `ROW_PROBE_LIMIT`; 1: none) for which `F.linear(x, weight, bias)`
+    gives every row exactly the result it gives that row alone, probed once per shape, bias, dtype and device.
+    BLAS libraries switch kernels, and rounding, with the row count: MKL's float32 GEMM at 2 rows, oneDNN's AMX
+    bfloat16 kernels at 33 rows for the down projections and LM heads of small models, an AMD EPYC's AVX512-BF16
+    kernels at 2 rows for reductions over more than 1024 inputs, where only some inputs show it: so many small
+    inputs (the counts a single request verifies), then three of `ROW_PROBE_LIMIT` rows."""
+    key = (tuple(weight.shape), bias is not None, weight.dtype, weight.device.type)
     if key not in _row_exact_rows:
         generator = torch.Generator().manual_seed(0)
-        rows = ROW_PROBE_LIMIT
+        exact = ROW_PROBE_LIMIT
+        trials = [(SMALL_PROBE_ROWS, 8.0 ** (i % 3 - 1)) for i in range(SMALL_PROBE_TRIALS)]
         with torch.no_grad():
-            for scale in (1.0, 8.0):  # differences show for some values only: two inputs, then a power of two
-                x = (scale * torch.randn(ROW_PROBE_LIMIT, weight.shape[1], generator=generator)).to(weight)
-                alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(rows)])
-                rows = next(
-                    (m - 1 for m in range(2, rows + 1) if not torch.equal(F.linear(x[:m], weight), alone[:m])), rows
+            for rows, scale in trials + [(ROW_PROBE_LIMIT, 1.0), (ROW_PROBE_LIMIT, 8.0), (ROW_PROBE_LIMIT, 0.125)]:
+                x = (scale * torch.randn(rows, weight.shape[1], generator=generator)).to(weight)
+                alone = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(min(rows, exact))])
+                checked = [m for m in _PROBED_ROWS if m <= min(rows, exact)]
+                exact = next(
+                    (m - 1 for m in checked if not torch.equal(F.linear(x[:m], weight, bias), alone[:m])), exact
                 )
-        rows = rows if rows == ROW_PROBE_LIMIT else 1 << (rows.bit_length() - 1)
-        _row_exact_rows[key] = rows
+        _row_exact_rows[key] = exact if exact == ROW_PROBE_LIMIT else 1 << (exact.bit_length() - 1)
     return _row_exact_rows[key]
+
+
+class VerifyForwards:
+    """Which of one request's target forwards verify drafts (`active` while one runs): the row-exact linears
+    split those only, so a prefill of any length runs as plain decoding's."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+#: The single request's `VerifyForwards` in this thread / task (set by `use_verify_kernels`).
+_verify_forwards: contextvars.ContextVar[VerifyForwards | None] = contextvars.ContextVar(
+    "hf_blockpilot_verify_forwards", default=None
+)
+
+
+def set_verifying(active: bool) -> None:
+    """Mark whether the target forward about to run (until the next call) verifies drafts."""
+    marker = _verify_forwards.get()
+    if marker is not None:
+        marker.active = active
+
+
+@contextmanager
+def verifying() -> Iterator[None]:
+    """The target forwards within the block verify drafts (see `set_verifying`)."""
+    marker = _verify_forwards.get()
+    before = marker.active if marker is not None else False
+    set_verifying(True)
+    try:
+        yield
+    finally:
+        set_verifying(before)
+
+
+def _in_verify_forward() -> bool:
+    marker = _verify_forwards.get()
+    return _slot_key_lengths.get() is not None or (marker is not None and marker.active)
 
 
 def _row_exact_forward(module: nn.Linear, chunk: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows <= chunk or _slot_key_lengths.get() is None:  # a verify forward's only: prefills run as plain ones
+    if rows <= chunk or not _in_verify_forward():  # a verify forward's only: prefills run as plain ones
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     parts = [F.linear(flat[i : i + chunk], module.weight, module.bias) for i in range(0, rows, chunk)]
@@ -341,12 +385,13 @@ def _row_exact_forward(module: nn.Linear, chunk: int, x: torch.Tensor) -> torch.
 
 
 def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None]:
-    """Make every plain `nn.Linear` of `model` compute a batched verify forward (within `slot_key_lengths`) over
-    many rows in chunks no larger than `row_exact_rows` of its weight, where a plain decoding step's `step_rows`
-    rows fit in one such chunk: each row then rounds as in that step. Returns the function that undoes it."""
+    """Make every plain `nn.Linear` of `model` compute a verify forward (a batch's within `slot_key_lengths`, a
+    single request's while `set_verifying`) over many rows in chunks no larger than `row_exact_rows` of its
+    weight, where a plain decoding step's `step_rows` rows fit in one such chunk: each row then rounds as in that
+    step. Returns the function that undoes it."""
 
     def forward_for(module: nn.Linear) -> Callable | None:
-        chunk = row_exact_rows(module.weight)
+        chunk = row_exact_rows(module.weight, module.bias)
         return partial(_row_exact_forward, module, chunk) if step_rows <= chunk < ROW_PROBE_LIMIT else None
 
     return _patch_linears([model], forward_for)
@@ -382,27 +427,37 @@ def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_R
 def use_verify_kernels(
     target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True, batch_size: int = 1
 ) -> Callable[[], None]:
-    """What a speculative call verifies with (the one place that decides it; calibration times the same):
-    the CPU verify kernels for `kernel_rows` (where this machine's calibration measured them faster, float32; a
-    single request); else, for a half-precision SDPA target on CPU, `one_token_exact_attention` for an
-    `unpadded` single request, and for a batch `slotwise_exact_attention` with `use_row_exact_linears`, so
-    greedy output equals plain decoding bit for bit; else the stock kernels. Returns what switches back."""
+    """What a speculative call verifies with (the one place that decides it; calibration times and probes the
+    same): the CPU verify kernels for `kernel_rows` (only where this machine's calibration found them both
+    exact and faster; a single request); else, on CPU (`needs_exact_verify`), the exact path: for an `unpadded`
+    single request `one_token_exact_attention` and row-exact linears in the forwards marked by `set_verifying`,
+    for a batch `slotwise_exact_attention` with `use_row_exact_linears`, so greedy output equals plain decoding
+    bit for bit; else the stock kernels. Returns what switches back."""
     if batch_size > 1:
-        if not needs_one_token_exact_attention(target):
+        if not needs_exact_verify(target):
             return lambda: None
         undo_attention = _switch_sdpa([target], SLOTWISE_EXACT_ATTENTION)
         undo_linears = use_row_exact_linears(target, batch_size)
 
-        def undo() -> None:
+        def undo_batch() -> None:
             undo_linears()
             undo_attention()
 
-        return undo
+        return undo_batch
     if kernel_rows:
         return use_cpu_verify_kernels(target, rows=kernel_rows)
-    if unpadded and needs_one_token_exact_attention(target):
-        return use_one_token_exact_attention(target)
-    return lambda: None
+    if not (unpadded and needs_exact_verify(target)):
+        return lambda: None
+    undo_attention = use_one_token_exact_attention(target)
+    undo_linears = use_row_exact_linears(target, step_rows=1)
+    token = _verify_forwards.set(VerifyForwards())
+
+    def undo() -> None:
+        _verify_forwards.reset(token)
+        undo_linears()
+        undo_attention()
+
+    return undo
 
 
 @contextmanager

@@ -24,7 +24,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,13 +36,14 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .cpu_kernels import skinny_linear, slot_key_lengths, use_verify_kernels
+from .cpu_kernels import skinny_linear, slot_key_lengths, use_verify_kernels, verifying
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 3  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis
+CALIBRATION_VERSION = 4  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+# 4: every CPU verify timed on the exact path, and probed (`inexact_rows`)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: The CPU verify kernels serve a row count only where they measured at most this share of the stock time.
@@ -226,6 +227,46 @@ class Calibration:
 
 
 @torch.inference_mode()
+def probe_exact_verify(
+    target: PreTrainedModel, widths: Iterable[int], kernel_rows: Collection[int] = (), context_tokens: int = 64
+) -> list[int]:
+    """The token counts among `widths` whose verify forward, run as `generate` runs it (`use_verify_kernels` with
+    `kernel_rows`), does NOT give every row the logits and cached keys/values that plain decoding's one-token
+    steps give, bit for bit, after the same random `context_tokens`-token prefill. Empty: greedy speculative
+    decoding is token-identical to plain `generate` here, in this dtype."""
+    widths = sorted(n for n in set(widths) if n > 1)
+    if not widths:
+        return []
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, context_tokens + max(widths)), generator=generator).to(target.device)
+    cache = DynamicCache()
+    argument = cache_argument(target)
+    target(ids[:, :context_tokens], **{argument: cache})
+    steps = torch.cat(
+        [target(ids[:, i : i + 1], **{argument: cache}).logits for i in range(context_tokens, ids.shape[1])], 1
+    )
+    plain_keys = [layer.keys.clone() for layer in cache.layers]
+    cache.crop(-max(widths))
+    inexact = []
+    undo = use_verify_kernels(target, kernel_rows)
+    try:
+        for n in widths:
+            with verifying():
+                logits = target(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
+            same_keys = all(
+                torch.equal(layer.keys, keys[..., : context_tokens + n, :])
+                for layer, keys in zip(cache.layers, plain_keys)
+            )
+            if not (same_keys and torch.equal(logits, steps[:, :n])):
+                inexact.append(n)
+            cache.crop(-n)
+    finally:
+        undo()
+    return inexact
+
+
+@torch.inference_mode()
 def calibrate(
     target: PreTrainedModel,
     drafter: nn.Module,
@@ -244,9 +285,12 @@ def calibrate(
     widths = sorted(set(widths) | {1})
     parameter = next(target.parameters())
     device = parameter.device
-    # the kernels agree with stock only to rounding: in half precision generate keeps attention exact instead
-    try_kernels = device.type == "cpu" and parameter.dtype == torch.float32 if kernels is None else kernels
+    inexact = probe_exact_verify(target, widths)
+    # the kernels serve only where they keep greedy output exact (they round unlike plain steps on the CPUs seen)
+    try_kernels = device.type == "cpu" if kernels is None else kernels
     with_kernels = [n for n in widths if n > 1] if try_kernels else []
+    if with_kernels and kernels is None:
+        with_kernels = [n for n in with_kernels if n not in probe_exact_verify(target, widths, with_kernels)]
     verify, others = _timed_forwards(target, drafter, widths, context_tokens)
     stock_phase = {("stock", n): verify(n) for n in widths} | others
     calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
@@ -278,6 +322,7 @@ def calibrate(
         sampling_process_ms=ms["sampling_process"],
         sampling_draw_ms=ms["sampling_draw"],
         kernel_rows=kernel_rows,
+        inexact_rows=[n for n in inexact if n not in kernel_rows],
         source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
     )
     return Calibration(fingerprint, cost, stock, kernel, time.perf_counter() - begin)
@@ -344,7 +389,8 @@ def _timed_forwards(
         block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
 
         def run() -> None:
-            target(block, **with_prefix, output_hidden_states=True)
+            with verifying():  # as generate's verify forwards (the row-exact linears split those only)
+                target(block, **with_prefix, output_hidden_states=True)
             prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
 
         return run
@@ -495,9 +541,9 @@ def forget_resolved() -> None:
 
 def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
     """The dtype `--dtype auto` decodes in: on a CPU with native bf16 matmul (AMX or AVX512-BF16), bfloat16 where
-    this machine's calibration of a bfloat16 copy of the pair expects speculative decoding to run faster than
-    in float32 (`target` and `drafter` in float32); float32 on other CPUs and with calibration off; bfloat16 on
-    GPUs that support it (else float16)."""
+    this machine's calibration of a bfloat16 copy of the pair found its verifies exact and expects decoding (its
+    best width, plain steps included) to run faster than in float32 (`target` and `drafter` in float32);
+    float32 on other CPUs and with calibration off; bfloat16 on GPUs that support it (else float16)."""
     device = next(target.parameters()).device
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -509,5 +555,6 @@ def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
         return max(cost.tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths)
 
     float32 = best_rate(resolve_cost_model(target, drafter))
-    bfloat16 = best_rate(resolve_cost_model(copy.deepcopy(target).bfloat16(), copy.deepcopy(drafter).bfloat16()))
-    return torch.bfloat16 if bfloat16 > float32 else torch.float32
+    bf16_cost = resolve_cost_model(copy.deepcopy(target).bfloat16(), copy.deepcopy(drafter).bfloat16())
+    lossless = not bf16_cost.inexact_rows
+    return torch.bfloat16 if lossless and best_rate(bf16_cost) > float32 else torch.float32

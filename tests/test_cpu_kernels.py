@@ -4,6 +4,7 @@ paths exactly where meant, are undone on exit, and leave decoding lossless."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -136,44 +137,40 @@ def test_greedy_speculative_output_unchanged_under_cpu_kernels(kernels):
             assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
 
 
-def _linears_are_batch_invariant(dtype: torch.dtype) -> bool:
-    """Whether this CPU's `F.linear` gives a row the same bits alone as among others (bf16 on AMX does)."""
-    gen = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
-    return all(torch.equal(F.linear(x[i : i + 1], weight), F.linear(x, weight)[i : i + 1]) for i in range(5))
-
-
-def test_one_token_exact_attention_makes_a_bf16_verify_equal_one_token_steps_bit_for_bit():
-    if not _linears_are_batch_invariant(torch.bfloat16):
-        pytest.skip("this CPU's bfloat16 linear layers differ between one row and several: no exact verify here")
-
-    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=1).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtype, family):
+    """On every CPU, in every dtype: a verify forward on the exact path gives every row the logits a one-token
+    step gives, while the prefill (nothing cached yet) keeps the stock path, as plain decoding's."""
+    target = make_target(family, vocab_size=48, hidden_size=64, seed=1).to(dtype)
     gen = torch.Generator().manual_seed(1)
     prompt, block = torch.randint(3, 48, (1, 30), generator=gen), torch.randint(3, 48, (1, 6), generator=gen)
-    assert cpu_kernels.needs_one_token_exact_attention(target)
+    assert cpu_kernels.needs_exact_verify(target)
+    argument = cache_argument(target)
     with torch.no_grad():
         steps_cache, block_cache = DynamicCache(), DynamicCache()
-        target(prompt, past_key_values=steps_cache)
-        target(prompt, past_key_values=block_cache)
-        steps = torch.cat([target(block[:, i : i + 1], past_key_values=steps_cache).logits for i in range(6)], 1)
-        undo = cpu_kernels.use_one_token_exact_attention(target)
+        target(prompt, **{argument: steps_cache})
+        target(prompt, **{argument: block_cache})
+        steps = torch.cat([target(block[:, i : i + 1], **{argument: steps_cache}).logits for i in range(6)], 1)
+        undo = cpu_kernels.use_verify_kernels(target, [])
         try:
             assert target.config._attn_implementation == cpu_kernels.ONE_TOKEN_EXACT_ATTENTION
-            verified = target(block, past_key_values=block_cache).logits
-            prefill = target(prompt).logits  # nothing cached: the stock path, as plain decoding's prefill
+            with cpu_kernels.verifying():
+                verified = target(block, **{argument: block_cache}).logits
+            prefill = target(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
         finally:
             undo()
     assert torch.equal(verified, steps)
     assert target.config._attn_implementation == "sdpa"
+    assert not any("forward" in module.__dict__ for module in target.modules())  # undone
     with torch.no_grad():
         assert torch.equal(prefill, target(prompt).logits)
 
 
-def test_bf16_speculative_greedy_output_equals_plain_bf16_generate():
-    if not _linears_are_batch_invariant(torch.bfloat16):
-        pytest.skip("this CPU's bfloat16 linear layers differ between one row and several: no exact verify here")
-    target = make_target("llama", vocab_size=48, hidden_size=64, seed=5).to(torch.bfloat16)
-    drafter = make_drafter(target, block_size=6, seed=5, scale=4.0).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_greedy_output_equals_plain_generate_in_each_dtype(dtype):
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=5).to(dtype)
+    drafter = make_drafter(target, block_size=6, seed=5, scale=4.0).to(dtype)
     for case in range(6):
         prompt = torch.randint(3, 48, (1, 8 + 5 * case), generator=torch.Generator().manual_seed(case))
         plain = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
@@ -190,23 +187,65 @@ def test_bf16_speculative_greedy_output_equals_plain_bf16_generate():
 
 
 def test_row_exact_linears_round_every_row_as_it_rounds_alone():
-    """A batch's verify multiplies more rows than a plain step; in chunks of at most `row_exact_rows` (probed per
-    shape: oneDNN's AMX bfloat16 kernels switch at 33 rows on some), every row equals its one-row product."""
+    """A verify multiplies more rows than a plain step; in chunks of at most `row_exact_rows` (probed per shape:
+    1 for MKL's float32 GEMM, 33 rows for oneDNN's AMX bfloat16 kernels on some shapes), every row equals its
+    one-row product, on whatever kernels this CPU has."""
     from hf_blockpilot.cpu_kernels import ROW_PROBE_LIMIT, row_exact_rows, slot_key_lengths, use_row_exact_linears
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1536, 576), torch.nn.Linear(576, 1536)).bfloat16()
-    x = torch.randn(100, 1536).bfloat16()
-    for layer in model:
-        assert 1 <= row_exact_rows(layer.weight) <= ROW_PROBE_LIMIT
-    undo = use_row_exact_linears(model, step_rows=8)
-    try:
-        with torch.no_grad(), slot_key_lengths([0], [1], masked=False):  # inside a batch's verify forward
-            out = model(x)
-    finally:
-        undo()
-    with torch.no_grad():
-        hidden = torch.cat([model[0](x[i : i + 1]) for i in range(x.shape[0])])
-        alone = torch.cat([model[1](hidden[i : i + 1]) for i in range(x.shape[0])])
-    assert torch.equal(out, alone)
-    assert all("forward" not in layer.__dict__ for layer in model)  # undone
+    for dtype in (torch.float32, torch.bfloat16):
+        model = torch.nn.Sequential(torch.nn.Linear(1536, 576), torch.nn.Linear(576, 1536)).to(dtype)
+        x = torch.randn(100, 1536).to(dtype)
+        for layer in model:
+            assert 1 <= row_exact_rows(layer.weight, layer.bias) <= ROW_PROBE_LIMIT
+        undo = use_row_exact_linears(model, step_rows=1)
+        try:
+            with torch.no_grad(), slot_key_lengths([0], [1], masked=False):  # inside a verify forward
+                out = model(x)
+            with torch.no_grad():  # outside one (a prefill): the stock product
+                assert torch.equal(
+                    model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+                )
+        finally:
+            undo()
+        with torch.no_grad():
+            hidden = torch.cat([model[0](x[i : i + 1]) for i in range(x.shape[0])])
+            alone = torch.cat([model[1](hidden[i : i + 1]) for i in range(x.shape[0])])
+        assert torch.equal(out, alone), dtype
+        assert all("forward" not in layer.__dict__ for layer in model)  # undone
+
+
+def _rounds_unlike_one_row(real: Callable) -> Callable:
+    """`F.linear` as a CPU whose several-row kernel rounds unlike its one-row kernel: one ulp up."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = real(x, weight, bias)
+        if x.numel() // x.shape[-1] > 1:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    return linear
+
+
+def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypatch):
+    """CPU-independent: a simulated kernel that rounds k rows unlike one is caught by the per-weight probe and by
+    calibration's verify probe, the exact path repairs it, and greedy speculative output stays plain's."""
+    from hf_blockpilot.device_calibration import probe_exact_verify
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=2)
+    drafter = make_drafter(target, block_size=5, seed=2, scale=4.0)
+    monkeypatch.setattr(F, "linear", _rounds_unlike_one_row(F.linear))
+    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    assert cpu_kernels.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
+    assert probe_exact_verify(target, [2, 4, 5]) == []  # the exact path splits every verify into single rows
+    monkeypatch.setattr(cpu_kernels, "needs_exact_verify", lambda model: False)
+    assert probe_exact_verify(target, [2, 4, 5]) == [2, 4, 5]  # the stock kernels: caught
+    monkeypatch.undo()
+    monkeypatch.setattr(F, "linear", _rounds_unlike_one_row(F.linear))
+    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    for case in range(4):
+        prompt = torch.randint(3, 48, (1, 6 + 3 * case), generator=torch.Generator().manual_seed(case))
+        kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
+        plain = target.generate(prompt, **kwargs)
+        out = target.generate(prompt, assistant_model=drafter, draft_controller=DraftController(5), **kwargs)
+        assert torch.equal(out, plain), case

@@ -46,7 +46,7 @@ def pair(seed: int = 0):
 
 def test_calibrate_times_every_width_both_kernel_variants_and_sampling():
     target, drafter = pair()
-    calibration = calibrate(target, drafter, [1, 2, 4], context_tokens=16, repeats=2)
+    calibration = calibrate(target, drafter, [1, 2, 4], context_tokens=16, repeats=2, kernels=True)
     cost = calibration.cost_model
     assert set(calibration.stock_ms) == {1, 2, 4} and set(calibration.kernel_ms) == {2, 4}
     assert set(cost.target_ms) == {1, 2, 4} and set(cost.drafter_ms) == {2, 4}
@@ -71,7 +71,7 @@ def test_kernels_serve_only_row_counts_where_they_measured_faster(monkeypatch, k
 
     monkeypatch.setattr(device_calibration, "interleaved_median_ms", injected)
     target, drafter = pair()
-    cost = calibrate(target, drafter, [1, 2, 4], context_tokens=8).cost_model
+    cost = calibrate(target, drafter, [1, 2, 4], context_tokens=8, kernels=True).cost_model
     assert cost.kernel_rows == expected_rows
     assert cost.target_ms[4] == (5.0 if expected_rows else 10.0)
 
@@ -151,9 +151,13 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
     out = greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
     assert torch.equal(out, plain) and len(calibrating) == 1
     assert drafter.last_stats.cost_model_source.startswith("calibrated on")
-    measured_rows = resolve_cost_model(target, drafter).kernel_rows
-    timed_with_kernels = [n for n in device_calibration.DEFAULT_WIDTHS if n > 1]  # the calibration's kernel phase
-    assert switched == [timed_with_kernels] + ([measured_rows] if measured_rows else [])
+    cost = resolve_cost_model(target, drafter)
+    timed_with_kernels = [n for n in device_calibration.DEFAULT_WIDTHS if n > 1]
+    # calibration probed the kernels' exactness over every width, and timed them only where they were exact
+    assert switched[0] == timed_with_kernels and set(cost.kernel_rows) <= set(switched[-1])
+    switched.clear()
+    greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
+    assert switched == ([cost.kernel_rows] if cost.kernel_rows else [])
     for rows in ([3], []):
         cost = CostModel(target_ms={1: 1.0, 4: 1.0}, drafter_ms={4: 0.1}, kernel_rows=rows)
         controller = AdaptiveVerify(4, cost_model=cost)
@@ -165,14 +169,20 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
     assert target.config._attn_implementation == "sdpa"  # switched back after the call
 
 
-@pytest.mark.parametrize("bf16_verify_ms, expected", [(11.0, torch.bfloat16), (60.0, torch.float32)])
-def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_speculation(
-    calibrating, monkeypatch, bf16_verify_ms, expected
+@pytest.mark.parametrize(
+    "bf16_verify_ms, bf16_inexact, expected",
+    [(11.0, [], torch.bfloat16), (60.0, [], torch.float32), (11.0, [4], torch.float32)],
+)
+def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_lossless_speculation(
+    calibrating, monkeypatch, bf16_verify_ms, bf16_inexact, expected
 ):
-    """Native bf16 matmul: a bf16 copy is calibrated; bfloat16 only when it expects more tokens per ms."""
+    """Native bf16 matmul: a bf16 copy is calibrated; bfloat16 only when it expects more tokens per ms and its
+    verify was probed exact."""
     costs = {
         torch.float32: CostModel(target_ms={1: 10.0, 16: 30.0}, drafter_ms={2: 1.0, 16: 1.0}),
-        torch.bfloat16: CostModel(target_ms={1: 10.0, 16: bf16_verify_ms}, drafter_ms={2: 1.0, 16: 1.0}),
+        torch.bfloat16: CostModel(
+            target_ms={1: 10.0, 16: bf16_verify_ms}, drafter_ms={2: 1.0, 16: 1.0}, inexact_rows=bf16_inexact
+        ),
     }
     monkeypatch.setattr(device_calibration, "runs_bf16_natively", lambda device: True)
     monkeypatch.setattr(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -11,6 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .._compat import runs_bf16_natively
 from ..controllers import (
     BlockSizePolicy,
     DraftController,
@@ -43,6 +45,26 @@ def timed_generate(
     )
 
 
+def native_dtypes(device: torch.device | str) -> list[torch.dtype]:
+    """The dtypes plain decoding runs natively on `device`: float32, and bfloat16 where its matrix products run
+    natively (`runs_bf16_natively`: AMX or AVX512-BF16 CPUs, CUDA GPUs with bf16), float16 on other CUDA GPUs."""
+    device = torch.device(device)
+    if runs_bf16_natively(device):
+        return [torch.float32, torch.bfloat16]
+    return [torch.float32, torch.float16] if device.type == "cuda" else [torch.float32]
+
+
+def plain_in_other_dtypes(target: PreTrainedModel) -> dict[str, PreTrainedModel]:
+    """Copies of `target` in each native dtype other than its own (`native_dtypes`), by dtype name: what plain
+    decoding is timed in to find the fastest plain configuration of the machine."""
+    own = next(target.parameters()).dtype
+    return {
+        str(dtype).removeprefix("torch."): copy.deepcopy(target).to(dtype)
+        for dtype in native_dtypes(target.device)
+        if dtype != own
+    }
+
+
 def compare_with_plain(
     target: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -52,30 +74,46 @@ def compare_with_plain(
     repeats: int,
     answer: torch.Tensor,
 ) -> dict:
-    """Speculative decoding with `controller` against plain `generate` on one prompt, both sides timed alike:
-    warmed, no streaming, `repeats` runs each taken in turn, the median kept. `gen`: the generate arguments;
-    `answer`: the output shown to the user (greedy: checked identical to plain too)."""
+    """Speculative decoding with `controller` against plain `generate` on one prompt, all sides timed alike:
+    warmed, no streaming, `repeats` runs each taken in turn, the median kept. Plain decoding is timed in the
+    target's dtype (the lossless reference: `speedup`) and in every other dtype the device runs natively; the
+    fastest of them is `fastest_plain` (`speedup_vs_fastest_plain`). `gen`: the generate arguments; `answer`:
+    the output shown to the user (greedy: checked identical to plain too)."""
+    own = str(next(target.parameters()).dtype).removeprefix("torch.")
+    plains = {own: target} | plain_in_other_dtypes(target)
     warm = dict(max_new_tokens=8, do_sample=False)
     timed_generate(target, input_ids, drafter, draft_controller=controller, **warm)
-    timed_generate(target, input_ids, **warm)
-    ours, plain = [], []
+    for model in plains.values():
+        timed_generate(model, input_ids, **warm)
+    ours, plain = [], {name: [] for name in plains}
     for _ in range(repeats):
         ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
-        plain.append(timed_generate(target, input_ids, **gen))
-    (out, seconds), (plain_out, plain_seconds) = (
-        sorted(runs, key=lambda run: run[1])[len(runs) // 2] for runs in (ours, plain)
-    )
-    new_tokens = out.shape[1] - input_ids.shape[1]
-    plain_tps = (plain_out.shape[1] - input_ids.shape[1]) / plain_seconds
+        for name, model in plains.items():
+            plain[name].append(timed_generate(model, input_ids, **gen))
+    out, seconds = _median_run(ours)
+    plain_out, _ = _median_run(plain[own])
+    tps = {}
+    for name, runs in plain.items():
+        median_out, median_seconds = _median_run(runs)
+        tps[name] = (median_out.shape[1] - input_ids.shape[1]) / median_seconds
+    ours_tps = (out.shape[1] - input_ids.shape[1]) / seconds
+    fastest = max(tps, key=tps.get)
     result = {
         "timed_runs": f"{repeats} per side, no streaming, after a warm-up (median)",
-        "speculative_tokens_per_second": round(new_tokens / seconds, 2),
-        "plain_tokens_per_second": round(plain_tps, 2),
-        "speedup": round(new_tokens / seconds / plain_tps, 3),
+        "speculative_tokens_per_second": round(ours_tps, 2),
+        "plain_tokens_per_second": round(tps[own], 2),
+        "speedup": round(ours_tps / tps[own], 3),
+        "plain_tokens_per_second_by_dtype": {name: round(value, 2) for name, value in tps.items()},
+        "fastest_plain": fastest,
+        "speedup_vs_fastest_plain": round(ours_tps / tps[fastest], 3),
     }
     if not gen["do_sample"]:
         result["identical_to_plain"] = bool(torch.equal(answer, plain_out)) and bool(torch.equal(out, plain_out))
     return result
+
+
+def _median_run(runs: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
+    return sorted(runs, key=lambda run: run[1])[len(runs) // 2]
 
 
 @dataclass
@@ -157,7 +195,8 @@ def decode_methods(
     controllers: Mapping[str, DraftController] | None = None,
     cost_model: CostModel | None = None,
 ) -> list[MethodResult]:
-    """Decode each prompt with plain `generate`, each fixed block size, the policy's widths with every draft
+    """Decode each prompt with plain `generate` (`plain`, and `plain <dtype>` for each other dtype the device runs
+    natively), each fixed block size, the policy's widths with every draft
     verified (`policy`, if given), `default` (what `generate` runs with no `draft_controller`:
     `default_controller(drafter)`) and each named controller, every one passed per call as `draft_controller`
     (the drafter itself is left untouched).
@@ -169,7 +208,9 @@ def decode_methods(
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
     if temperature > 0:
         gen["temperature"] = temperature
-    methods: dict[str, DraftController | None] = {"plain": None}
+    # plain decoding in the target's dtype (the lossless reference) and in every other native dtype
+    plains = {"plain": target} | {f"plain {dtype}": copy for dtype, copy in plain_in_other_dtypes(target).items()}
+    methods: dict[str, DraftController | None] = dict.fromkeys(plains)
     methods.update({f"b={b}": DraftController(b) for b in block_sizes})
     if policy is not None:
         methods["policy"] = PolicyBlockSize(policy)
@@ -181,7 +222,8 @@ def decode_methods(
     for record in tqdm(prompts, desc="decoding", unit="prompt"):
         input_ids = chat_inputs(tokenizer, record.prompt, target.device)
         # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
-        timed_generate(target, input_ids, max_new_tokens=4, do_sample=False)
+        for model in plains.values():
+            timed_generate(model, input_ids, max_new_tokens=4, do_sample=False)
         for controller in warm_controllers:
             timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False, draft_controller=controller)
         # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
@@ -190,7 +232,7 @@ def decode_methods(
         for _ in range(repeats):
             for name, controller in methods.items():
                 if controller is None:
-                    out, seconds = timed_generate(target, input_ids, **gen)
+                    out, seconds = timed_generate(plains[name], input_ids, **gen)
                     stats = None
                 else:
                     out, seconds = timed_generate(target, input_ids, drafter, draft_controller=controller, **gen)
@@ -210,7 +252,7 @@ def decode_methods(
                     input_ids.shape[1],
                     seconds,
                     stats,
-                    plain,
+                    None if name in plains and name != "plain" else plain,  # other dtypes: other outputs
                     temperature,
                     cost_model,
                     fixed=name.startswith("b="),
@@ -273,7 +315,8 @@ def fastest_fixed_per_prompt(results: Sequence[MethodResult], clock: str = "seco
 
 
 def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, float]]:
-    """Per method: pooled tokens/s, speedup over plain, mean τ, mismatches; plus the per-prompt `oracle`.
+    """Per method: pooled tokens/s, speedup over plain in the same dtype and over the fastest plain configuration
+    (`plain` or a `plain <dtype>`), mean τ, mismatches; plus the per-prompt `oracle`.
 
     The oracle picks, per prompt, the fastest measured of plain decoding (b = 1, speculation off) and each
     fixed block size. `overhead`: the policy's and the per-round controller's decision time, as a share of
@@ -293,6 +336,7 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
         return None if None in times else sum(r.new_tokens for r in rows) / max(sum(times), 1e-9)
 
     plain_tps = pooled(by_method["plain"])
+    fastest_plain_tps = max(pooled(rows) for method, rows in by_method.items() if method.startswith("plain"))
     plain_modeled = pooled(by_method["plain"], "modeled_seconds")
     summary = {}
     for method, rows in by_method.items():
@@ -300,6 +344,7 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
         summary[method] = {
             "tokens_per_second": tps,
             "speedup": tps / plain_tps,
+            "speedup_vs_fastest_plain": tps / fastest_plain_tps,
             "tau": sum(r.tau for r in rows) / len(rows),
             "mismatches": sum(1 for r in rows if r.identical_to_plain is False),
             "policy_overhead": sum(r.policy_seconds for r in rows) / max(sum(r.seconds for r in rows), 1e-9),
