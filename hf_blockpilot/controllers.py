@@ -486,8 +486,11 @@ class SpeculationGuard(DelegatingController):
 
     Per request, a request whose costs say drafting cannot pay even at `prior_acceptance` (per slot,
     geometric) decodes plain. Per round, the guard compares committed tokens per second over recent drafting
-    rounds (decayed by `decay`, judged after `probe_rounds` of them) with a plain step's rate, and below it
-    pauses drafting for `first_pause` plain rounds, doubling (up to `max_pause`) while probes keep losing.
+    rounds (decayed by `decay`, judged after `probe_rounds` of them, from the first by default) with a plain
+    step's rate, and below it pauses drafting for `first_pause` plain rounds, doubling (up to `max_pause`) while
+    probes keep losing. The decayed sums start from `prior_rounds` rounds of the widest block at the prior
+    acceptance, timed by the cost model: the guard judges from the first round without trusting it alone (a
+    first round also takes in the whole prompt), and a request drafting at τ near 1 falls back within a few.
     `timing="measured"` (default) times each round by the wall clock, the plain steps too once a pause has
     run them (before that: the cost model's plain step), so the overheads no cost model sees count;
     `"modeled"` uses the cost model alone (deterministic). In a batch one guard judges the whole batch (its
@@ -500,20 +503,30 @@ class SpeculationGuard(DelegatingController):
         self,
         inner: DraftController,
         prior_acceptance: float = PRIOR_ACCEPTANCE,
-        probe_rounds: int = 6,
+        probe_rounds: int = 1,
+        prior_rounds: float = 1.0,
         decay: float = 0.8,
         first_pause: int = 8,
         max_pause: int = 128,
         timing: str = "measured",
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if not 0.0 <= prior_acceptance <= 1.0 or not 0.0 <= decay < 1.0 or probe_rounds < 1 or first_pause < 1:
-            raise ValueError("prior_acceptance in [0, 1], decay in [0, 1), probe_rounds >= 1 and first_pause >= 1")
+        if (
+            not 0.0 <= prior_acceptance <= 1.0
+            or not 0.0 <= decay < 1.0
+            or probe_rounds < 1
+            or first_pause < 1
+            or prior_rounds < 0
+        ):
+            raise ValueError(
+                "prior_acceptance in [0, 1], decay in [0, 1), probe_rounds >= 1, first_pause >= 1 and prior_rounds >= 0"
+            )
         if timing not in ("measured", "modeled"):
             raise ValueError(f"timing must be 'measured' or 'modeled', got {timing!r}")
         super().__init__(inner)
         self.prior_acceptance = prior_acceptance
         self.probe_rounds = probe_rounds
+        self.prior_rounds = prior_rounds
         self.decay = decay
         self.first_pause = first_pause
         self.max_pause = max(max_pause, first_pause)
@@ -542,7 +555,20 @@ class SpeculationGuard(DelegatingController):
         here, its rows' own controllers having read their prefills (`hf_blockpilot.batched`)."""
         self.temperature = temperature
         self.plain_request = not self.speculation_can_pay(widest)
+        self._start_judging()
         self.last_time = self.clock()
+
+    def _start_judging(self) -> None:
+        """Drafting (re)starts: the decayed sums hold only the prior (`prior_rounds` rounds of the widest block,
+        every draft verified, at the prior acceptance, on the cost model's clock)."""
+        self.judged = 0
+        self.committed = self.seconds = 0.0
+        widest = self.inner.max_width()
+        if self.cost_model is None or widest <= 1:
+            return
+        tokens = 1.0 + sum(self.prior_acceptance**i for i in range(1, widest))
+        self.committed = self.prior_rounds * tokens
+        self.seconds = self.prior_rounds * self.cost_model.modeled_round_ms(widest, widest - 1, self.temperature) / 1000
 
     def speculation_can_pay(self, width: int) -> bool:
         """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance."""
@@ -583,7 +609,7 @@ class SpeculationGuard(DelegatingController):
             return
         if self.committed * self._plain_step_seconds() < self.seconds:  # below break-even: pause, then probe
             self.paused_for, self.next_pause = self.next_pause, min(2 * self.next_pause, self.max_pause)
-            self.judged, self.committed, self.seconds = 0, 0.0, 0.0
+            self._start_judging()
         elif self.judged == self.probe_rounds:  # a probe (or the start) that pays: pauses start short again
             self.next_pause = self.first_pause
 

@@ -62,6 +62,20 @@ def test_drafting_pauses_below_break_even_and_probes_again_with_doubling_pauses(
     assert stats.drafter_forwards < len(widths) // 2
 
 
+def test_the_guard_judges_from_the_first_round_with_its_prior():
+    """A drafter whose drafts are rejected (τ near 1) on costs where the prior says drafting pays: with the default
+    settings the request falls back to plain steps within three drafting rounds, not after a probe window."""
+    target, drafter, prompt = pair()
+    plain = greedy_generate(target, prompt, 40, None)
+    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guarded(FLAT))
+    widths = drafter.last_stats.widths_per_round[1:]
+    assert torch.equal(out, plain)
+    assert widths[0] == 6 and 1 in widths[:4]
+    without_prior = guarded(FLAT, prior_rounds=0, probe_rounds=6)
+    greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=without_prior)
+    assert drafter.last_stats.widths_per_round[1:7] == [6] * 6  # a probe window: six rounds before judging
+
+
 def test_drafting_that_pays_never_pauses():
     target, _, prompt = pair()
     plain = greedy_generate(target, prompt, 40, None)
@@ -128,6 +142,7 @@ def test_measured_timing_learns_the_plain_step_from_its_pauses(built_generators)
         (dict(prior_acceptance=1.5), "prior_acceptance"),
         (dict(decay=1.0), "prior_acceptance"),
         (dict(probe_rounds=0), "prior_acceptance"),
+        (dict(prior_rounds=-1), "prior_rounds"),
         (dict(timing="guessed"), "timing"),
     ],
 )
