@@ -13,10 +13,11 @@ forward far dearer than a one-token step, and `cpu_verify_kernels` replaces both
   `grouped_query_attention` stacks the query heads that share a key/value head as extra query rows instead,
   so nothing is repeated.
 
-Both agree with the stock kernels to float rounding. Whether they pay depends on the machine (they win on an AMD
-EPYC in float32 and lose on an Intel Xeon with fast small-GEMM MKL kernels), so `generate` switches them on only
-for the row counts where this machine's calibration measured them faster (`CostModel.kernel_rows`, see
-`device_calibration`); `rows=` does the same by hand.
+Both agree with the stock kernels to float rounding only, and rounding is what greedy equality cannot spare:
+`generate` switches them on only for the row counts where this machine's calibration found them both exact
+(`probe_exact_verify`) and faster (`CostModel.kernel_rows`); on the CPUs seen so far they are never exact, and
+every verify takes the exact path instead (`use_verify_kernels`, docs/exactness.md). `rows=` switches them on
+by hand.
 
     with hf_blockpilot.cpu_verify_kernels(target, drafter):
         target.generate(**inputs, assistant_model=drafter)
@@ -170,10 +171,10 @@ def one_token_exact_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Transformers' SDPA attention, with each of several queries computed as a one-token decoding step
-    computes it: alone, over the keys up to its own position, unmasked. A verify forward then returns, bit for
-    bit, the logits plain decoding would (bfloat16 on CPUs with AMX, whose linear layers give each row the same
-    result in any batch; PyTorch's SDPA does not). The prefill (nothing cached yet) keeps the stock path, as
-    plain decoding's. For unpadded sequences only."""
+    computes it: alone, over the keys up to its own position, unmasked (PyTorch's SDPA rounds several masked
+    queries unlike one). With row-exact linears a verify forward then returns, bit for bit, the logits plain
+    decoding would. The prefill (nothing cached yet) keeps the stock path, as plain decoding's. For unpadded
+    sequences only."""
     q_len = query.shape[2]
     past = key.shape[2] - q_len
     if q_len == 1 or past == 0 or query.device.type != "cpu":  # a decoding step, or the prefill: as plain decoding
