@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import save_tiny_pair
 
 from hf_blockpilot.cli import main
+from hf_blockpilot.tools.evaluation import native_dtypes
+
+
+def other_plains() -> set[str]:
+    """The bench's plain methods in the other dtypes this CPU runs natively (bfloat16 where it has AVX512-BF16/AMX)."""
+    return {f"plain {str(d).removeprefix('torch.')}" for d in native_dtypes("cpu") if d != torch.float32}
 
 
 def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
@@ -55,16 +62,21 @@ def test_bench_writes_json_markdown_and_plots(tmp_path, capsys):
     baselines = {"heuristic", "ema", "entropy", "adaptive"}  # the per-round controllers, beside the fixed sizes
     assert set(report["settings"]["controllers"]) == baselines
     for run in report["runs"]:
-        assert set(run["summary"]) == {"plain", "b=2", "b=4", "default", "oracle"} | baselines
-        assert len(run["results"]) == 2 * 8  # prompts x (plain + 2 fixed sizes + the default + 4 controllers)
+        assert set(run["summary"]) == {"plain", "b=2", "b=4", "default", "oracle"} | baselines | other_plains()
+        # prompts x (plain, in each native dtype + 2 fixed sizes + the default + 4 controllers)
+        assert len(run["results"]) == 2 * (8 + len(other_plains()))
+        fastest = max(run["summary"][m]["tokens_per_second"] for m in {"plain"} | other_plains())
+        assert run["summary"]["b=2"]["speedup_vs_fastest_plain"] == pytest.approx(
+            run["summary"]["b=2"]["tokens_per_second"] / fastest
+        )
         assert run["summary"]["plain"]["speedup"] == 1.0
         assert 0 < run["summary"]["b=4"]["verified_per_round"] <= 3
         adaptive = [r for r in run["results"] if r["method"] == "adaptive"]
         pooled = sum(r["verified_drafts"] for r in adaptive) / max(sum(r["draft_rounds"] for r in adaptive), 1)
         assert run["summary"]["adaptive"]["verified_per_round"] == pytest.approx(pooled)
         assert all(r["verified_drafts"] <= r["drafted_slots"] for r in adaptive)  # it verifies a prefix of its drafts
-        if run["temperature"] == 0:
-            assert all(r["identical_to_plain"] for r in run["results"])
+        if run["temperature"] == 0:  # plain in another dtype is not compared (other numbers, other outputs)
+            assert all(r["identical_to_plain"] for r in run["results"] if r["method"] not in other_plains())
     table = (out / "results.md").read_text()
     assert "### humaneval, T=0" in table and "| b=4 |" in table and "| adaptive |" in table
     assert "per-round decision overhead" in table
@@ -114,8 +126,8 @@ def test_bench_with_prompt_lookup_records_it(tmp_path):
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     assert report["settings"]["prompt_lookup"] is True
-    assert set(report["runs"][0]["summary"]) == {"plain", "b=4", "default", "oracle"}  # --no-baselines
-    assert all(r["identical_to_plain"] for r in report["runs"][0]["results"])
+    assert set(report["runs"][0]["summary"]) == {"plain", "b=4", "default", "oracle"} | other_plains()
+    assert all(r["identical_to_plain"] for r in report["runs"][0]["results"] if r["method"] not in other_plains())
     assert "Prompt lookup on" in (out / "results.md").read_text()
 
 

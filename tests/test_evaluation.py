@@ -10,7 +10,7 @@ import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
 from hf_blockpilot.data import PromptRecord, chat_inputs
-from hf_blockpilot.tools.evaluation import decode_methods, measure_tau
+from hf_blockpilot.tools.evaluation import decode_methods, measure_tau, native_dtypes
 
 
 def test_measure_tau_pools_the_generators_statistics():
@@ -94,7 +94,7 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
     def spy(target, input_ids, drafter=None, **kwargs):
         if kwargs.get("max_new_tokens") == 6:  # the timed runs (warm-up runs take 4 tokens)
             controller = kwargs.get("draft_controller")
-            order.append("plain" if drafter is None else controller.describe())
+            order.append(str(next(target.parameters()).dtype) if drafter is None else controller.describe())
         return real(target, input_ids, drafter, **kwargs)
 
     monkeypatch.setattr(evaluation, "timed_generate", spy)
@@ -109,9 +109,11 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
         repeats=3,
     )
     # round-robin, not all repeats of one method in a row; `default` is what generate runs with no controller
-    assert order == ["plain", "fixed(b=2)", "fixed(b=4)", "policy", "guarded(fixed(b=4))"] * 3
-    assert [r.method for r in results] == ["plain", "b=2", "b=4", "policy", "default"]
-    assert all(r.identical_to_plain for r in results)
+    plains = ["torch.float32"] + [str(d) for d in native_dtypes("cpu") if d != torch.float32]
+    assert order == [*plains, "fixed(b=2)", "fixed(b=4)", "policy", "guarded(fixed(b=4))"] * 3
+    other = [f"plain {d.removeprefix('torch.')}" for d in plains[1:]]
+    assert [r.method for r in results] == ["plain", *other, "b=2", "b=4", "policy", "default"]
+    assert all(r.identical_to_plain for r in results if r.method not in other)
 
 
 def test_decode_methods_times_every_method_on_the_cost_model_too(monkeypatch):
@@ -144,7 +146,7 @@ def test_decode_methods_times_every_method_on_the_cost_model_too(monkeypatch):
     )
     for r in results:
         s = stats[r.prompt_id, r.method]
-        if r.method == "plain":
+        if r.method.startswith("plain"):  # in the target's dtype, or another native one
             assert r.modeled_seconds == pytest.approx(r.new_tokens * 10.0 / 1000) and r.round_oracle_seconds is None
             continue
         assert r.modeled_seconds == pytest.approx(cost.modeled_decode_ms(s) / 1000)
