@@ -321,7 +321,7 @@ def row_exact_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
     bfloat16 kernels at 33 rows for the down projections and LM heads of small models, an AMD EPYC's AVX512-BF16
     kernels at 2 rows for reductions over more than 1024 inputs, where only some inputs show it: so many small
     inputs (the counts a single request verifies), then three of `ROW_PROBE_LIMIT` rows."""
-    key = (tuple(weight.shape), bias is not None, weight.dtype, weight.device.type)
+    key = _row_exact_key(weight, bias)
     if key not in _row_exact_rows:
         generator = torch.Generator().manual_seed(0)
         exact = ROW_PROBE_LIMIT
@@ -336,6 +336,30 @@ def row_exact_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
                 )
         _row_exact_rows[key] = exact if exact == ROW_PROBE_LIMIT else 1 << (exact.bit_length() - 1)
     return _row_exact_rows[key]
+
+
+def _row_exact_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    return tuple(weight.shape), bias is not None, weight.dtype, weight.device.type
+
+
+def row_exact_table(model: nn.Module) -> dict[str, int]:
+    """`row_exact_rows` of every plain `nn.Linear` of `model` (probed where not known yet), keyed by text: what
+    a calibration caches so that later processes on this machine skip the probe (`remember_row_exact`)."""
+    table = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            shape, bias, dtype, device = _row_exact_key(module.weight, module.bias)
+            fields = ("x".join(map(str, shape)), "bias" if bias else "no bias", str(dtype).removeprefix("torch."))
+            table["|".join((*fields, device))] = row_exact_rows(module.weight, module.bias)
+    return table
+
+
+def remember_row_exact(table: dict[str, int]) -> None:
+    """Take `row_exact_rows` results probed earlier on this machine (a `row_exact_table`)."""
+    for key, rows in table.items():
+        shape, bias, dtype, device = key.split("|")
+        entry = (tuple(int(n) for n in shape.split("x")), bias == "bias", getattr(torch, dtype), device)
+        _row_exact_rows.setdefault(entry, int(rows))
 
 
 class VerifyForwards:

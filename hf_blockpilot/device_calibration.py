@@ -36,7 +36,14 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .cpu_kernels import skinny_linear, slot_key_lengths, use_verify_kernels, verifying
+from .cpu_kernels import (
+    remember_row_exact,
+    row_exact_table,
+    skinny_linear,
+    slot_key_lengths,
+    use_verify_kernels,
+    verifying,
+)
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)
@@ -177,15 +184,18 @@ def timed(run: Callable[[], Any], device: torch.device | str) -> tuple[Any, floa
 class Calibration:
     """One device's measured costs for one target + drafter pair.
 
-    `stock_ms` / `kernel_ms`: a target forward over n tokens with the stock kernels and with the CPU verify
-    kernels (empty off CPU); `cost_model` takes the faster of the two per n, and its `kernel_rows` lists the
-    row counts where the kernels won by the margin.
+    `stock_ms` / `kernel_ms`: a target forward over n tokens as `generate` verifies without the CPU verify
+    kernels (on CPU: the exact path) and with them (only where they were probed exact; empty off CPU);
+    `cost_model` takes the faster of the two per n, and its `kernel_rows` lists the row counts where the
+    kernels won by the margin. `row_exact`: this machine's `row_exact_rows` of the target's linear layers
+    (`cpu_kernels.row_exact_table`), so later processes skip that probe.
     """
 
     fingerprint: dict[str, Any]
     cost_model: CostModel
     stock_ms: dict[int, float]
     kernel_ms: dict[int, float] = field(default_factory=dict)
+    row_exact: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long measuring took
     from_cache: bool = field(default=False, compare=False)  # read from the cache rather than measured now
 
@@ -195,6 +205,7 @@ class Calibration:
             "cost_model": self.cost_model.to_dict(),
             "stock_ms": self.stock_ms,
             "kernel_ms": self.kernel_ms,
+            "row_exact": self.row_exact,
             "seconds": self.seconds,
         }
 
@@ -205,6 +216,7 @@ class Calibration:
             cost_model=CostModel.from_dict(raw["cost_model"]),
             stock_ms={int(k): float(v) for k, v in raw["stock_ms"].items()},
             kernel_ms={int(k): float(v) for k, v in raw["kernel_ms"].items()},
+            row_exact={key: int(rows) for key, rows in raw.get("row_exact", {}).items()},
             seconds=float(raw.get("seconds", 0.0)),
         )
 
@@ -246,7 +258,7 @@ def probe_exact_verify(
     steps = torch.cat(
         [target(ids[:, i : i + 1], **{argument: cache}).logits for i in range(context_tokens, ids.shape[1])], 1
     )
-    plain_keys = [layer.keys.clone() for layer in cache.layers]
+    plain_cache = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     cache.crop(-max(widths))
     inexact = []
     undo = use_verify_kernels(target, kernel_rows)
@@ -254,11 +266,12 @@ def probe_exact_verify(
         for n in widths:
             with verifying():
                 logits = target(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
-            same_keys = all(
+            same_cache = all(
                 torch.equal(layer.keys, keys[..., : context_tokens + n, :])
-                for layer, keys in zip(cache.layers, plain_keys)
+                and torch.equal(layer.values, values[..., : context_tokens + n, :])
+                for layer, (keys, values) in zip(cache.layers, plain_cache)
             )
-            if not (same_keys and torch.equal(logits, steps[:, :n])):
+            if not (same_cache and torch.equal(logits, steps[:, :n])):
                 inexact.append(n)
             cache.crop(-n)
     finally:
@@ -275,11 +288,13 @@ def calibrate(
     repeats: int = 5,
     kernels: bool | None = None,
 ) -> Calibration:
-    """Time target forwards over each width's token count (stock, and with the CPU verify kernels on CPU unless
-    `kernels=False`), the drafter per width, and the sampling work, over a `context_tokens`-long cached context.
+    """Probe that verifies are exact here (`probe_exact_verify`), then time target forwards over each width's
+    token count as `generate` verifies (on CPU the exact path; also with the CPU verify kernels, where probed
+    exact, or everywhere with `kernels=True`; never with `kernels=False`), the drafter per width, and the
+    sampling work, over a `context_tokens`-long cached context.
 
     The returned cost model uses, per row count, the faster variant; the kernels only where they took at
-    most `KERNEL_MARGIN` of the stock time (never slower than stock).
+    most `KERNEL_MARGIN` of the time without them.
     """
     begin = time.perf_counter()
     widths = sorted(set(widths) | {1})
@@ -325,7 +340,8 @@ def calibrate(
         inexact_rows=[n for n in inexact if n not in kernel_rows],
         source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
     )
-    return Calibration(fingerprint, cost, stock, kernel, time.perf_counter() - begin)
+    row_exact = row_exact_table(target) if device.type == "cpu" else {}
+    return Calibration(fingerprint, cost, stock, kernel, row_exact, time.perf_counter() - begin)
 
 
 @torch.inference_mode()
@@ -508,6 +524,7 @@ def load_or_calibrate(
                 widths = sorted(set(widths) | set(calibration.stock_ms))
             else:
                 calibration.from_cache = True
+                remember_row_exact(calibration.row_exact)
                 return calibration
         except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError is a ValueError
             problem = f"is damaged ({type(err).__name__}: {err})"
@@ -516,7 +533,9 @@ def load_or_calibrate(
         "hf-blockpilot: calibrating %s on %s (%s), once; cached at %s",
         fingerprint["dtype"],
         fingerprint["name"],
-        "CPU verify kernels vs stock" if fingerprint["device"] == "cpu" else fingerprint["device"],
+        "exact verify path probed, CPU verify kernels timed where exact"
+        if fingerprint["device"] == "cpu"
+        else fingerprint["device"],
         path,
     )
     calibration = calibrate(target, drafter, widths)

@@ -91,6 +91,21 @@ def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
     assert len(calibrating) == 2 and max(calibrating[-1]) == 24
 
 
+def test_a_cached_calibration_brings_back_the_row_exactness_probe(calibrating, monkeypatch):
+    """The per-weight row probe is a property of the machine: cached with the calibration, later processes take
+    it from there instead of probing again in their first `generate`."""
+    target, drafter = pair()
+    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})  # nothing probed in this process yet
+    resolve_cost_model(target, drafter)
+    probed = dict(cpu_kernels._row_exact_rows)
+    saved = json.loads(calibration_path(device_fingerprint(target, drafter)).read_text())["row_exact"]
+    assert saved and saved == cpu_kernels.row_exact_table(target)
+    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    forget_resolved()  # a new process: reads the cache
+    resolve_cost_model(target, drafter)
+    assert len(calibrating) == 1 and cpu_kernels._row_exact_rows == probed
+
+
 def test_a_changed_fingerprint_recalibrates(calibrating, monkeypatch):
     target, drafter = pair()
     resolve_cost_model(target, drafter)
