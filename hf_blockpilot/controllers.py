@@ -491,6 +491,8 @@ class SpeculationGuard(DelegatingController):
     probes keep losing. The decayed sums start from `prior_rounds` rounds of the widest block at the prior
     acceptance, timed by the cost model: the guard judges from the first round without trusting it alone (a
     first round also takes in the whole prompt), and a request drafting at τ near 1 falls back within a few.
+    A probe after a pause is judged with the evidence so far (the sums that paused it, decayed on), so a probe
+    that loses again costs one round, and one that wins clearly resumes drafting.
     `timing="measured"` (default) times each round by the wall clock, the plain steps too once a pause has
     run them (before that: the cost model's plain step), so the overheads no cost model sees count;
     `"modeled"` uses the cost model alone (deterministic). In a batch one guard judges the whole batch (its
@@ -559,7 +561,7 @@ class SpeculationGuard(DelegatingController):
         self.last_time = self.clock()
 
     def _start_judging(self) -> None:
-        """Drafting (re)starts: the decayed sums hold only the prior (`prior_rounds` rounds of the widest block,
+        """Drafting starts: the decayed sums hold only the prior (`prior_rounds` rounds of the widest block,
         every draft verified, at the prior acceptance, on the cost model's clock)."""
         self.judged = 0
         self.committed = self.seconds = 0.0
@@ -609,7 +611,7 @@ class SpeculationGuard(DelegatingController):
             return
         if self.committed * self._plain_step_seconds() < self.seconds:  # below break-even: pause, then probe
             self.paused_for, self.next_pause = self.next_pause, min(2 * self.next_pause, self.max_pause)
-            self._start_judging()
+            self.judged = 0  # the probe is judged with the evidence so far, not the prior: one losing round ends it
         elif self.judged == self.probe_rounds:  # a probe (or the start) that pays: pauses start short again
             self.next_pause = self.first_pause
 

@@ -71,6 +71,9 @@ def test_the_guard_judges_from_the_first_round_with_its_prior():
     widths = drafter.last_stats.widths_per_round[1:]
     assert torch.equal(out, plain)
     assert widths[0] == 6 and 1 in widths[:4]
+    drafted = [i for i, w in enumerate(widths) if w > 1]
+    probes = [i for i in drafted if i > 0 and widths[i - 1] == 1]  # drafting rounds right after a pause
+    assert probes and all(i + 1 >= len(widths) or widths[i + 1] == 1 for i in probes)  # each lost: one round
     without_prior = guarded(FLAT, prior_rounds=0, probe_rounds=6)
     greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=without_prior)
     assert drafter.last_stats.widths_per_round[1:7] == [6] * 6  # a probe window: six rounds before judging
