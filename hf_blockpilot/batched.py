@@ -297,8 +297,8 @@ class BatchedSpeculativeDecoder:
             row.stats.widths_per_round.append(1)
         if self.guard is not None:
             widest = max(row.controller.max_width() for row in self.rows)
-            gain = self._predicted_batch_gain(widest)
-            self.guard.begin(self.temperature, widest if gain is None or gain >= 1 + MIN_PREDICTED_GAIN else 1)
+            gain, margin = self._predicted_batch_gain(widest)
+            self.guard.begin(self.temperature, widest if gain is None or gain >= 1 + margin else 1)
         logits = self._process(prefill.logits[:, -1:].float())
         first = self._pick(logits)[:, 0]
         self.anchor = first
@@ -307,24 +307,26 @@ class BatchedSpeculativeDecoder:
             self._round()
         return self._sequences()
 
-    def _predicted_batch_gain(self, widest: int) -> float | None:
-        """The batch's predicted speedup over plain batched steps when each row drafts its own width: the rows'
-        mean predicted τ (1 for a row its policy keeps plain) per round of the widest one, under the batch's costs.
-        `None` where a drafting row's controller predicts no τ (then the guard's prior decides alone)."""
+    def _predicted_batch_gain(self, widest: int) -> tuple[float | None, float]:
+        """The batch's predicted speedup over plain batched steps when each row drafts its own width (the rows'
+        mean predicted τ, 1 for a row its policy keeps plain, per round of the widest one, under the batch's
+        costs), and the gain the rows' policies need before drafting (the largest `drafting_margin`). `None`
+        where a drafting row's controller predicts no τ (then the guard's prior decides alone)."""
         if widest <= 1:
-            return 0.0
-        taus = []
+            return 0.0, MIN_PREDICTED_GAIN
+        taus, margin = [], MIN_PREDICTED_GAIN
         for row in self.rows:
             width, predicted = row.controller.max_width(), row.controller.policy_probs
             if width <= 1:
                 taus.append(1.0)
             elif predicted is None or not getattr(getattr(row.controller, "policy", None), "weighs_costs", False):
-                return None
+                return None, margin
             else:
                 taus.append(predicted[width])
+                margin = max(margin, row.controller.policy.drafting_margin())
         cost = self.guard.cost_model
         plain_ms = cost.modeled_round_ms(1, 0, self.temperature)
-        return sum(taus) / len(taus) * plain_ms / cost.modeled_round_ms(widest, widest - 1, self.temperature)
+        return sum(taus) / len(taus) * plain_ms / cost.modeled_round_ms(widest, widest - 1, self.temperature), margin
 
     def _round(self) -> None:
         drafts, draft_logits, keeps = self._draft()

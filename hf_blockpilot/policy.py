@@ -141,9 +141,17 @@ class LastLogitsMLP(nn.Module):
 #: `"throughput"` / `"acceptance"`: a distribution over the candidates, trained to put the most mass on the fastest
 #: width on the machine the labels were priced on / on the width of the longest τ (checkpoints before the τ head).
 OBJECTIVES = ("tau", "throughput", "acceptance")
-#: A τ policy drafts only where its predicted rate beats plain decoding (b = 1) by this fraction: its τ(b) are
-#: predicted with about 10 % error (held-out), so a predicted tie is as likely a loss as a gain.
+#: A τ policy drafts only where its predicted rate beats plain decoding (b = 1) by this fraction at least, and by
+#: its held-out τ error where that is larger (`drafting_margin`): a predicted tie is as likely a loss as a gain.
 MIN_PREDICTED_GAIN = 0.05
+
+
+def margin_for(tau_error: float | None) -> float:
+    """The predicted gain over plain decoding a τ policy needs before it drafts: its held-out relative τ error,
+    at least `MIN_PREDICTED_GAIN`."""
+    return max(MIN_PREDICTED_GAIN, float(tau_error or 0.0))
+
+
 LABEL_CONTROLLERS = ("fixed", "adaptive")  # what verified the rounds of a policy's labels (`collect [--adaptive]`)
 DTYPES = ("float32", "bfloat16", "float16")
 #: Config keys of checkpoints written when one class served both architectures; ignored where a class has no use.
@@ -299,13 +307,39 @@ class BlockPilotPolicy(
         widths = torch.tensor(self.candidates, dtype=torch.float32, device=outputs.device)
         return 1.0 + (widths - 1.0) * torch.sigmoid(outputs.float())
 
-    def priced_choice(self, tau: torch.Tensor, round_ms: torch.Tensor) -> torch.Tensor:
+    def consistent_tau(self, tau: torch.Tensor) -> torch.Tensor:
+        """(..., k) predicted τ(b) made consistent with how rounds commit: each extra slot adds the chance that
+        every draft up to it is accepted, so τ never falls as b grows and its gain per slot never grows (nor
+        exceeds 1). Each candidate keeps its own prediction where that is consistent with the narrower ones,
+        else the nearest consistent value (a τ head trained per width can predict τ(4) far above what its τ(2)
+        allows)."""
+        out = tau.clone()
+        previous_width, previous = 1, torch.ones_like(tau[..., 0])
+        slope = torch.ones_like(previous)  # the gain per slot of the last gap; at most 1
+        for j in sorted(range(len(self.candidates)), key=lambda i: self.candidates[i]):
+            width = self.candidates[j]
+            if width == 1:
+                out[..., j] = 1.0
+                continue
+            gap = width - previous_width
+            gain = torch.minimum((tau[..., j] - previous).clamp(min=0.0), slope * gap)
+            out[..., j] = previous + gain
+            slope, previous_width, previous = gain / gap, width, out[..., j]
+        return out
+
+    def drafting_margin(self) -> float:
+        """How much faster than plain decoding a width must be predicted before it is drafted
+        (`margin_for` this policy's held-out `report.tau_error`, from training)."""
+        return margin_for((self.report or {}).get("tau_error") if isinstance(self.report, dict) else None)
+
+    def priced_choice(self, tau: torch.Tensor, round_ms: torch.Tensor, margin: float | None = None) -> torch.Tensor:
         """(...,) index of the candidate with the most expected tokens per ms, τ(b) / round latency, given (..., k)
-        predicted τ and round latencies; plain decoding (b = 1) unless a width beats it by `MIN_PREDICTED_GAIN`."""
+        predicted τ and round latencies; plain decoding (b = 1) unless a width beats it by `margin` (default:
+        `drafting_margin()`)."""
         rate = tau / round_ms
         if 1 in self.candidates:  # draft only where clearly faster than plain decoding
             rate = rate.clone()
-            rate[..., self.candidates.index(1)] *= 1.0 + MIN_PREDICTED_GAIN
+            rate[..., self.candidates.index(1)] *= 1.0 + (self.drafting_margin() if margin is None else margin)
         return rate.argmax(dim=-1)
 
     @torch.no_grad()
@@ -316,13 +350,15 @@ class BlockPilotPolicy(
         or its predicted τ(b) (objective `"tau"`).
 
         `lm_head`: the target's output embeddings; `temperature`: the request's sampling temperature, 0 = greedy;
-        `cost_model`: this machine's costs, which a τ-predicting policy weighs its prediction against (default:
-        the shipped fallback for the device): the width with the most expected committed tokens per ms, plain
-        decoding unless a width is predicted `MIN_PREDICTED_GAIN` faster.
+        `cost_model`: this machine's costs, which a τ-predicting policy weighs its prediction (made consistent,
+        `consistent_tau`) against (default: the shipped fallback for the device): the width with the most
+        expected committed tokens per ms, plain decoding unless a width is predicted `drafting_margin()` faster.
         """
         features = self.features(prefill_outputs, lm_head, temperature).to(next(self.parameters()).device)
         outputs = self(features)[0].float()
-        scores = self.predicted_tau(outputs) if self.weighs_costs else torch.softmax(outputs, dim=-1)
+        scores = (
+            self.consistent_tau(self.predicted_tau(outputs)) if self.weighs_costs else torch.softmax(outputs, dim=-1)
+        )
         scores = scores.cpu()  # one small sync per request
         if not torch.isfinite(scores).all():
             raise ValueError(

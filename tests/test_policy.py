@@ -492,3 +492,34 @@ def test_a_tau_policy_drafts_only_where_it_predicts_a_clear_gain_over_plain(targ
         assert int(policy.priced_choice(tau, ms)) == expected, gain
     batch = policy.priced_choice(torch.stack([tau, tau]), torch.tensor([[30.0, 1e3, 1e3, 1e3], [1e3, 1e3, 1e3, 30.0]]))
     assert batch.tolist() == [0, 3]
+
+
+def test_a_tau_policy_needs_a_gain_above_its_own_held_out_error(target):
+    """The margin over plain decoding is the policy's held-out τ error where that exceeds `MIN_PREDICTED_GAIN`."""
+    from hf_blockpilot.policy import MIN_PREDICTED_GAIN
+
+    policy = _tau_policy(target, None)
+    tau = torch.tensor([1.0, 1.8, 3.4, 6.6])
+    ms = torch.tensor([30.0, 1.8 * 30.0 / 1.10, 1e3, 1e3])  # b = 2 predicted 10 % faster than plain
+    policy.report = None
+    assert policy.drafting_margin() == MIN_PREDICTED_GAIN and int(policy.priced_choice(tau, ms)) == 1
+    policy.report = {"tau_error": 0.15}
+    assert policy.drafting_margin() == 0.15 and int(policy.priced_choice(tau, ms)) == 0
+    policy.report = {"tau_error": 0.01}
+    assert policy.drafting_margin() == MIN_PREDICTED_GAIN and int(policy.priced_choice(tau, ms)) == 1
+
+
+def test_predicted_tau_is_made_consistent_across_widths(target):
+    """τ(b) never falls as b grows and its gain per slot never grows nor exceeds 1; a consistent prediction is
+    kept as it is."""
+    policy = _tau_policy(target, None, candidates=(1, 2, 3, 4, 6, 8))
+    consistent = torch.tensor([1.0, 1.8, 2.44, 2.95, 3.6, 4.0])
+    assert torch.allclose(policy.consistent_tau(consistent), consistent)
+    raw = torch.tensor([[1.0, 1.37, 2.18, 2.64, 1.89, 1.9], [1.0, 1.9, 2.2, 2.3, 3.5, 3.6]])
+    fixed = policy.consistent_tau(raw)
+    widths = torch.tensor([1.0, 2.0, 3.0, 4.0, 6.0, 8.0])
+    gains = fixed.diff(dim=-1) / widths.diff()
+    assert (gains >= 0).all() and (gains <= 1).all() and (gains.diff(dim=-1) <= 1e-6).all()
+    assert (fixed <= torch.maximum(raw, fixed.cummax(dim=-1).values) + 1e-6).all()
+    assert fixed[0].tolist() == pytest.approx([1.0, 1.37, 1.74, 2.11, 2.11, 2.11])  # τ(2) bounds the rest
+    assert fixed[1].tolist() == pytest.approx([1.0, 1.9, 2.2, 2.3, 2.5, 2.7])  # τ(6) capped by τ(4)'s gain

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_blockpilot.policy import NUM_SCALAR_FEATURES
+from hf_blockpilot.policy import MIN_PREDICTED_GAIN, NUM_SCALAR_FEATURES
 from hf_blockpilot.training.oracle import OracleRecord
 from hf_blockpilot.training.policy_training import (
     CostModel,
@@ -142,10 +142,13 @@ def test_a_tau_policy_learns_acceptance_and_prices_it_with_whichever_costs_it_is
         predicted = policy.predicted_tau(policy(x))
     full_tau = torch.tensor([[r.tau[b] for b in CANDIDATES] for r in records])
     choices = {}
+    # the pricing rule itself, at the fixed minimum margin (served, this policy would also want its held-out τ
+    # error as margin: `drafting_margin`)
+    assert policy.drafting_margin() == pytest.approx(max(MIN_PREDICTED_GAIN, report.tau_error))
     for name, cost in (("steep", steep), ("flat", flat)):
         ms = torch.tensor([cost.round_ms(b) for b in CANDIDATES])
-        choices[name] = policy.priced_choice(predicted, ms)
-        oracle = policy.priced_choice(full_tau, ms)  # each prompt's best width there, by the same rule
+        choices[name] = policy.priced_choice(predicted, ms, MIN_PREDICTED_GAIN)
+        oracle = policy.priced_choice(full_tau, ms, MIN_PREDICTED_GAIN)  # each prompt's best width, same rule
         assert (choices[name] == oracle).float().mean() > 0.8, name
     # where the hard prompts go differs between the machines: b = 1 against b = 4
     hard = torch.tensor([r.tau[8] < 2 for r in records])

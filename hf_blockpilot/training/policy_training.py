@@ -17,7 +17,7 @@ from ..controllers import AcceptanceModel
 from ..costs import CostModel
 from ..device_calibration import resolve_cost_model
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from ..policy import OBJECTIVES, PrefillMLPPolicy
+from ..policy import OBJECTIVES, PrefillMLPPolicy, margin_for
 from .calibration import fit_acceptance_model
 from .oracle import OracleRecord, read_oracle_labels
 
@@ -224,13 +224,16 @@ def train_policy(
     policy.eval()
     with torch.no_grad():
         outputs = policy(x_test)
-        predicted = policy.predicted_tau(outputs)
-    # what serving does: a τ policy prices its prediction with the costs, a classifier takes its top class
-    chosen = policy.priced_choice(predicted, ms_test) if predicts_tau else outputs.argmax(dim=1)
-    report = evaluate_choices(v_test, chosen, candidates, config.objective)
+        predicted = policy.consistent_tau(policy.predicted_tau(outputs))
+    # what serving does: a τ policy prices its consistent prediction with the costs, drafting only where it beats
+    # plain decoding by its held-out error; a classifier takes its top class
+    tau_error = None
     if predicts_tau:
         drafting = torch.tensor(candidates) > 1
-        report.tau_error = float(((predicted - tau_test).abs() / tau_test)[:, drafting].mean())
+        tau_error = float(((predicted - tau_test).abs() / tau_test)[:, drafting].mean())
+    chosen = policy.priced_choice(predicted, ms_test, margin_for(tau_error)) if predicts_tau else outputs.argmax(dim=1)
+    report = evaluate_choices(v_test, chosen, candidates, config.objective)
+    report.tau_error = tau_error
     if cost is not None and config.objective in ("throughput", "tau"):
         report.cost_model_device = cost.device
     temperatures = torch.tensor([r.temperature for r in test])
