@@ -268,12 +268,17 @@ def test_batch_benchmark_times_plain_and_ours_per_batch_size(tmp_path):
         assert run["plain_tokens"] == run["ours_tokens"] == 4 * 6  # the tiny target has no EOS: every row runs out
         assert run["plain_tokens_per_second"] > 0 and run["ours_tokens_per_second"] > 0
         assert run["speedup"] == pytest.approx(run["ours_tokens_per_second"] / run["plain_tokens_per_second"])
+        # plain also in every other native dtype: the fastest of them is what ours is compared with too
+        by_dtype = run["plain_tokens_per_second_by_dtype"]
+        assert set(by_dtype) == {"same dtype"} | {name.removeprefix("plain ") for name in other_plains()}
+        assert run["fastest_plain"] == max(by_dtype, key=by_dtype.get)
+        assert run["speedup_vs_fastest_plain"] == pytest.approx(run["ours_tokens_per_second"] / max(by_dtype.values()))
         assert run["tau"] > 0 and 0 <= run["padded_share"] < 1
         assert 0 <= run["padded_slots"] <= run["verify_slots"] and run["verify_slots"] > 0
     assert report["runs"][0]["padded_slots"] == 0  # one row per call: nothing to pad
     assert json.loads((out / "results.json").read_text()) == report
     table = (out / "results.md").read_text()
-    assert "| humaneval | 0 | 3 | 2 |" in table and "greedy mismatches" in table
+    assert "| humaneval | 0 | 3 | 2 |" in table and "greedy mismatches" in table and "vs fastest plain" in table
     assert (out / "throughput_vs_batch.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -21,11 +21,11 @@ from ..data import chat_batch, load_prompts
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import BatchSpeculationStats, SpeculationStats
 from .bench import machine_info, machine_line, save_figure, save_report
-from .evaluation import timed_call
+from .evaluation import plain_in_other_dtypes, timed_call
 
 #: Tokens each side decodes per warm-up call (untimed: lazy kernel set-up, the batch size's calibration).
 WARM_UP_TOKENS = 4
-#: The two sides of every comparison, in the order each repeat runs them.
+#: The two sides of every comparison (and plain decoding in each other native dtype, `plain <dtype>`, after them).
 SIDES = ("plain", "ours")
 
 
@@ -70,6 +70,7 @@ def run_batch_benchmark(
     eos_ids = _eos_ids(target)
     pad_token_id = _pad_token_id(target, tokenizer, eos_ids)
     controller = prepare_controller(target, drafter, None, 1)  # what `generate` runs with no draft_controller
+    other_plains = plain_in_other_dtypes(target)  # for the fastest plain configuration of the machine
     report: dict = {
         "machine": machine_info(target),
         "settings": {
@@ -100,7 +101,16 @@ def run_batch_benchmark(
                         for i in range(0, len(texts), batch_size)
                     ]
                     run = decode_batches(
-                        target, drafter, batches, temperature, max_new_tokens, repeats, eos_ids, pad_token_id, progress
+                        target,
+                        drafter,
+                        batches,
+                        temperature,
+                        max_new_tokens,
+                        repeats,
+                        eos_ids,
+                        pad_token_id,
+                        progress,
+                        other_plains,
                     )
                     report["runs"].append(
                         {"dataset": name, "temperature": temperature, "batch_size": batch_size, **run}
@@ -121,29 +131,29 @@ def decode_batches(
     eos_ids: set[int],
     pad_token_id: int,
     progress: tqdm | None = None,
+    other_plains: dict[str, PreTrainedModel] | None = None,
 ) -> dict:
-    """Decode each batch (`input_ids` + `attention_mask`, left padded) with both sides and summarize; see
+    """Decode each batch (`input_ids` + `attention_mask`, left padded) with both sides, and plain decoding with
+    each of `other_plains` (copies of the target in other dtypes, by name), and summarize; see
     `run_batch_benchmark` for how they are timed and counted."""
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, pad_token_id=pad_token_id)
     if temperature > 0:
         gen["temperature"] = temperature
-    extra = {"plain": {}, "ours": {"assistant_model": drafter}}
+    sides = {"plain": (target, {}), "ours": (target, {"assistant_model": drafter})}
+    sides |= {f"plain {name}": (model, {}) for name, model in (other_plains or {}).items()}
     # one-time costs (lazy kernel set-up; the calibration's batch axis at a new row count) stay out of the timing
     for batch in {len(batch["input_ids"]): batch for batch in reversed(batches)}.values():
-        for side in SIDES:
-            target.generate(
-                **batch, **extra[side], max_new_tokens=WARM_UP_TOKENS, do_sample=False, pad_token_id=pad_token_id
-            )
+        for model, extra in sides.values():
+            model.generate(**batch, **extra, max_new_tokens=WARM_UP_TOKENS, do_sample=False, pad_token_id=pad_token_id)
     per_batch = []
     for batch in batches:
-        runs: dict[str, list] = {side: [] for side in SIDES}
-        for _ in range(repeats):  # interleaved: a slow spell of a noisy host hits both sides alike
-            for side in SIDES:
-                out, seconds = timed_call(partial(target.generate, **batch, **extra[side], **gen), target)
+        runs: dict[str, list] = {side: [] for side in sides}
+        for _ in range(repeats):  # interleaved: a slow spell of a noisy host hits every side alike
+            for side, (model, extra) in sides.items():
+                out, seconds = timed_call(partial(model.generate, **batch, **extra, **gen), model)
                 runs[side].append((seconds, out, drafter.last_stats if side == "ours" else None))
-        (plain_seconds, plain_out, _), (ours_seconds, ours_out, stats) = (
-            sorted(runs[side], key=lambda run: run[0])[repeats // 2] for side in SIDES
-        )
+        medians = {side: sorted(runs[side], key=lambda run: run[0])[repeats // 2] for side in sides}
+        (plain_seconds, plain_out, _), (ours_seconds, ours_out, stats) = (medians[side] for side in SIDES)
         prompt_length = batch["input_ids"].shape[1]
         plain_rows = row_tokens(plain_out, prompt_length, eos_ids)
         ours_rows = row_tokens(ours_out, prompt_length, eos_ids)
@@ -163,6 +173,14 @@ def decode_batches(
                 "verify_slots": stats.verify_slots,
                 "padded_slots": stats.padded_slots,
                 "cost_model_source": stats.cost_model_source,
+                "other_plain": {
+                    side.removeprefix("plain "): {
+                        "seconds": seconds,
+                        "tokens": sum(len(row) for row in row_tokens(out, prompt_length, eos_ids)),
+                    }
+                    for side, (seconds, out, _) in medians.items()
+                    if side not in SIDES
+                },
             }
         )
         if progress is not None:
@@ -179,6 +197,12 @@ def summarize_batches(per_batch: Sequence[dict], temperature: float) -> dict:
 
     plain_tps = total("plain_tokens") / max(total("plain_seconds"), 1e-9)
     ours_tps = total("ours_tokens") / max(total("ours_seconds"), 1e-9)
+    by_dtype = {"same dtype": plain_tps} | {
+        name: sum(b["other_plain"][name]["tokens"] for b in per_batch)
+        / max(sum(b["other_plain"][name]["seconds"] for b in per_batch), 1e-9)
+        for name in per_batch[0].get("other_plain", {})
+    }
+    fastest = max(by_dtype, key=by_dtype.get)
     return {
         "prompts": int(total("rows")),
         "batches": len(per_batch),
@@ -189,6 +213,9 @@ def summarize_batches(per_batch: Sequence[dict], temperature: float) -> dict:
         "plain_tokens_per_second": plain_tps,
         "ours_tokens_per_second": ours_tps,
         "speedup": ours_tps / plain_tps if plain_tps > 0 else 0.0,
+        "plain_tokens_per_second_by_dtype": by_dtype,
+        "fastest_plain": fastest,
+        "speedup_vs_fastest_plain": ours_tps / by_dtype[fastest] if by_dtype[fastest] > 0 else 0.0,
         "mismatches": int(total("mismatches")) if temperature == 0 else None,
         "tau": total("tau") / len(per_batch),
         "acceptance_length": total("acceptance_length") / len(per_batch),
@@ -226,8 +253,9 @@ def as_batch_stats(stats: BatchSpeculationStats | SpeculationStats) -> BatchSpec
 
 
 def batch_markdown_report(report: dict) -> str:
-    """One table: per dataset, temperature and batch size, plain and ours tokens/s, speedup, τ, padded share of
-    the verified slots and greedy mismatches."""
+    """One table: per dataset, temperature and batch size, plain and ours tokens/s, speedup, the fastest plain
+    configuration (plain in the same dtype or another native one) and the speedup over it, τ, padded share of the
+    verified slots and greedy mismatches."""
     lines = [
         machine_line(report),
         "",
@@ -235,16 +263,18 @@ def batch_markdown_report(report: dict) -> str:
         "tokens counted per row up to its EOS; time: the median of "
         f"{report['settings']['repeats']} interleaved run(s) per batch, after a warm-up.",
         "",
-        "| dataset | T | B | batches | plain tokens/s | ours tokens/s | speedup | τ | padded / verified slots "
-        "| greedy mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dataset | T | B | batches | plain tokens/s | ours tokens/s | speedup | fastest plain (tokens/s) "
+        "| vs fastest plain | τ | padded / verified slots | greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         mismatches = run["mismatches"] if run["mismatches"] is not None else "n/a"
         lines.append(
             f"| {run['dataset']} | {run['temperature']:g} | {run['batch_size']} | {run['batches']} | "
             f"{run['plain_tokens_per_second']:.1f} | {run['ours_tokens_per_second']:.1f} | {run['speedup']:.2f}× | "
-            f"{run['tau']:.2f} | {100 * run['padded_share']:.1f}% | {mismatches} |"
+            f"{run['fastest_plain']} ({run['plain_tokens_per_second_by_dtype'][run['fastest_plain']]:.1f}) | "
+            f"{run['speedup_vs_fastest_plain']:.2f}× | {run['tau']:.2f} | {100 * run['padded_share']:.1f}% | "
+            f"{mismatches} |"
         )
     return "\n".join(lines) + "\n"
 
