@@ -400,24 +400,43 @@ def _in_verify_forward() -> bool:
     return _slot_key_lengths.get() is not None or (marker is not None and marker.active)
 
 
-def _row_exact_forward(module: nn.Linear, chunk: int, x: torch.Tensor) -> torch.Tensor:
+def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if rows <= chunk or not _in_verify_forward():  # a verify forward's only: prefills run as plain ones
         return F.linear(x, module.weight, module.bias)
+    if step_rows > chunk and x.dim() == 3:  # a batch whose plain step is itself one product of step_rows rows
+        return _as_plain_steps(module, step_rows, x)
     flat = x.reshape(rows, x.shape[-1])
     parts = [F.linear(flat[i : i + chunk], module.weight, module.bias) for i in range(0, rows, chunk)]
     return torch.cat(parts).reshape(*x.shape[:-1], -1)
 
 
+def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a batch's (rows, slots, features) verify input, each slot's rows computed as one product of
+    exactly `step_rows` rows (zero rows appended where rows have left the batch): as plain batched decoding
+    computes every step, all of its rows at once. The rounding of a row depends on the row count of its product
+    (MKL's float32 GEMM has one class for 2-3, 5-7 and 9-11 rows and another for 4, 8 and 12 or more), not on the
+    other rows or its place among them."""
+    rows = x.shape[0]
+    padded = x.new_zeros(step_rows, x.shape[-1])
+    slots = []
+    for i in range(x.shape[1]):
+        padded[:rows] = x[:, i]
+        slots.append(F.linear(padded, module.weight, module.bias)[:rows])
+    return torch.stack(slots, dim=1)
+
+
 def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None]:
-    """Make every plain `nn.Linear` of `model` compute a verify forward (a batch's within `slot_key_lengths`, a
-    single request's while `set_verifying`) over many rows in chunks no larger than `row_exact_rows` of its
-    weight, where a plain decoding step's `step_rows` rows fit in one such chunk: each row then rounds as in that
-    step. Returns the function that undoes it."""
+    """Make every plain `nn.Linear` of `model` whose weight does not round every row alike up to
+    `ROW_PROBE_LIMIT` rows compute a verify forward (a batch's within `slot_key_lengths`, a single request's while
+    `set_verifying`) as plain decoding's steps of `step_rows` rows compute it: in chunks no larger than
+    `row_exact_rows` of its weight where those steps fit in one such chunk (each row then rounds as it rounds
+    alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). Returns the function
+    that undoes it."""
 
     def forward_for(module: nn.Linear) -> Callable | None:
         chunk = row_exact_rows(module.weight, module.bias)
-        return partial(_row_exact_forward, module, chunk) if step_rows <= chunk < ROW_PROBE_LIMIT else None
+        return partial(_row_exact_forward, module, chunk, step_rows) if chunk < ROW_PROBE_LIMIT else None
 
     return _patch_linears([model], forward_for)
 

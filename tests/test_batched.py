@@ -416,3 +416,51 @@ def test_the_default_drafts_in_a_small_batch_and_decodes_a_large_one_plain():
         assert "batch of" in stats.cost_model_source
         drafted[batch] = sum(sum(row.drafted_per_round) for row in stats.rows)
     assert drafted[2] > 0 and drafted[48] == 0, drafted
+
+
+def _rounds_by_row_count(real, step_rows: int):
+    """`F.linear` as a CPU whose GEMM rounds by row count class (MKL's float32: 2-3, 5-7, 9-11 rows unlike 4, 8
+    and 12+): here every product of more than one row but `step_rows` comes out visibly off."""
+
+    def linear(x, weight, bias=None):
+        out = real(x, weight, bias)
+        rows = x.numel() // x.shape[-1]
+        return out * (1 + 1e-2) if rows not in (1, step_rows) else out
+
+    return linear
+
+
+def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
+    """CPU-independent: with a simulated kernel whose rounding depends on the row count of a product, plain
+    batched decoding computes every step over exactly B rows; the batch's exact path computes each verify slot as
+    such a product (zero rows standing in for rows that left the batch), so rows stay token-identical. The stock
+    path (one product over every slot) does not: the negative control."""
+    from torch.nn import functional
+
+    from hf_blockpilot import cpu_kernels
+
+    batch = 4
+    monkeypatch.setattr(functional, "linear", _rounds_by_row_count(functional.linear, batch))
+    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=7)
+    assert cpu_kernels.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
+
+    def run_cases(cases: int) -> list[bool]:
+        same = []
+        for case in range(cases):
+            rng = random.Random(300 + case)
+            prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))] for _ in range(batch)]
+            ids, mask = left_padded(prompts)
+            free = generate(target, ids, mask, 24)
+            eos = int(free[case % batch, ids.shape[1] + 3])  # one row (at least) finishes early
+            expected = generate(target, ids, mask, 24, eos)
+            scripts = [real_tokens(expected[i], mask[i], eos) for i in range(batch)]
+            drafter = BatchScriptedDrafter.from_target(target, block_size=4).eval()
+            drafter.rig(target, scripts, error_rate=0.2, seed=case)
+            got = generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=4)
+            same.append(torch.equal(got, expected))
+        return same
+
+    assert all(run_cases(6))
+    monkeypatch.setattr(cpu_kernels, "needs_exact_verify", lambda model: False)
+    assert not all(run_cases(6))  # the stock path: the simulated rounding shows
