@@ -49,8 +49,8 @@ from .modeling_block_diffusion import DraftContextCache
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 4  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
-# 4: every CPU verify timed on the exact path, and probed (`inexact_rows`)
+CALIBRATION_VERSION = 5  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+# 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: The CPU verify kernels serve a row count only where they measured at most this share of the stock time.
