@@ -52,7 +52,9 @@ def run_batch_benchmark(
     after it), counted alike on both sides; at T = 0 each row's tokens are compared with plain decoding's.
 
     Returns the report: `machine` (`machine_info`), `settings`, and `runs`, one per (dataset, temperature,
-    batch size) with plain and ours tokens/s, `speedup` (ours / plain), greedy `mismatches` (rows; None at
+    batch size) with plain and ours tokens/s, `speedup` (ours / plain), plain tokens/s in every native dtype
+    (`plain_tokens_per_second_by_dtype`, copies of the target), the `fastest_plain` and
+    `speedup_vs_fastest_plain`, greedy `mismatches` (rows; None at
     T > 0), the mean `tau` and `acceptance_length` over batches, `padded_slots` / `verify_slots` and their
     `padded_share`, and `per_batch` details.
 
@@ -173,13 +175,13 @@ def decode_batches(
                 "verify_slots": stats.verify_slots,
                 "padded_slots": stats.padded_slots,
                 "cost_model_source": stats.cost_model_source,
-                "other_plain": {
-                    side.removeprefix("plain "): {
+                "plain_by_dtype": {
+                    str(sides[side][0].dtype).removeprefix("torch."): {
                         "seconds": seconds,
                         "tokens": sum(len(row) for row in row_tokens(out, prompt_length, eos_ids)),
                     }
                     for side, (seconds, out, _) in medians.items()
-                    if side not in SIDES
+                    if side != "ours"
                 },
             }
         )
@@ -197,10 +199,10 @@ def summarize_batches(per_batch: Sequence[dict], temperature: float) -> dict:
 
     plain_tps = total("plain_tokens") / max(total("plain_seconds"), 1e-9)
     ours_tps = total("ours_tokens") / max(total("ours_seconds"), 1e-9)
-    by_dtype = {"same dtype": plain_tps} | {
-        name: sum(b["other_plain"][name]["tokens"] for b in per_batch)
-        / max(sum(b["other_plain"][name]["seconds"] for b in per_batch), 1e-9)
-        for name in per_batch[0].get("other_plain", {})
+    by_dtype = {
+        name: sum(b["plain_by_dtype"][name]["tokens"] for b in per_batch)
+        / max(sum(b["plain_by_dtype"][name]["seconds"] for b in per_batch), 1e-9)
+        for name in per_batch[0]["plain_by_dtype"]
     }
     fastest = max(by_dtype, key=by_dtype.get)
     return {
