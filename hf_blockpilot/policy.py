@@ -330,7 +330,7 @@ class BlockPilotPolicy(
     def drafting_margin(self) -> float:
         """How much faster than plain decoding a width must be predicted before it is drafted
         (`margin_for` this policy's held-out `report.tau_error`, from training)."""
-        return margin_for((self.report or {}).get("tau_error") if isinstance(self.report, dict) else None)
+        return margin_for(self.report.get("tau_error") if isinstance(self.report, dict) else None)
 
     def priced_choice(self, tau: torch.Tensor, round_ms: torch.Tensor, margin: float | None = None) -> torch.Tensor:
         """(...,) index of the candidate with the most expected tokens per ms, τ(b) / round latency, given (..., k)
