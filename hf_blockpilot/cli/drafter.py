@@ -43,6 +43,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         validation_fraction=args.validation_fraction,
         seed=args.seed,
         decoding_anchor_fraction=args.decoding_anchors,
+        save_every_minutes=args.save_every_minutes,
     )
     drafter = train_drafter(
         target,
@@ -59,6 +60,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         refresh_draft_vocab=args.refresh_draft_vocab,
         cache_hidden_states_on_disk=not args.no_hidden_cache,
         init_drafter=args.init_drafter,
+        generation_minutes=args.generation_minutes,
     )
     if args.save_to:
         drafter.save_pretrained(args.save_to)
@@ -128,6 +130,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--generation-batch-size", type=positive_int, default=64, help="prompts answered per target generate call"
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=192)
+    p.add_argument(
+        "--generation-minutes",
+        type=float,
+        default=None,
+        help="stop answering new prompts after this long and train on what was answered (rerun to go on)",
+    )
     p.add_argument("--num-layers", type=positive_int, default=1)
     p.add_argument(
         "--target-layer-ids", type=int, nargs="+", default=None, help="context layers (default: DFlash spread)"
@@ -143,6 +151,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-steps", type=positive_int, default=config.max_steps)
     p.add_argument("--max-minutes", type=float, default=config.max_minutes)
+    p.add_argument(
+        "--save-every-minutes",
+        type=float,
+        default=config.save_every_minutes,
+        help="also checkpoint when this long passed since the last checkpoint",
+    )
     p.add_argument("--learning-rate", type=float, default=config.learning_rate)
     p.add_argument("--anchors", type=positive_int, default=config.anchors_per_sequence)
     p.add_argument(

@@ -15,7 +15,7 @@ import random
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -53,6 +53,7 @@ class DrafterTrainingConfig:
     bf16: bool | None = None  # bf16 autocast; None: where the device runs bf16 natively (`runs_bf16_natively`)
     seed: int = 0
     save_every: int = 100
+    save_every_minutes: float | None = None  # also save when this much time passed since the last save
     log_every: int = 10
     max_minutes: float | None = None
     validation_fraction: float = 0.02  # sequences never trained on (chosen by a hash of their id)
@@ -311,17 +312,29 @@ class DrafterTrainer:
         keep = block_valid.reshape(-1)
         return loss, {"correct": correct.reshape(-1, b - 1)[keep], "valid": valid.reshape(-1, b - 1)[keep]}
 
-    def train(self) -> dict:
-        """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps and scoring the
-        held-out sequences every `eval_every` steps; returns the last training and validation figures."""
+    def train(self, on_save: Callable[[DrafterTrainer], None] | None = None) -> dict:
+        """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps (and every
+        `save_every_minutes`) and scoring the held-out sequences every `eval_every` steps; returns the last
+        training and validation figures. `on_save(trainer)` runs after each checkpoint (e.g. to copy it off a
+        lent machine)."""
         cfg = self.config
-        start = time.monotonic()
+        start = last_save = time.monotonic()
+
+        def save() -> None:
+            nonlocal last_save
+            self.save()
+            last_save = time.monotonic()
+            if on_save is not None:
+                on_save(self)
+
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="drafter training", unit="step")
         window: list[dict] = []
         summary: dict = {}
         evaluation: dict = {}
+        tokens = 0  # supervised response tokens seen in this call
         while self.step < cfg.max_steps:
             batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
+            tokens += sum(len(seq.input_ids) - seq.response_start for seq in batch)
             self.optimizer.zero_grad(set_to_none=True)
             hidden = self.hidden_states(batch)
             anchors = self.training_anchors(batch, hidden) if cfg.decoding_anchor_fraction else None
@@ -335,27 +348,35 @@ class DrafterTrainer:
             self.step += 1
             bar.update(1)
             if self.step % cfg.log_every == 0:
+                seconds = time.monotonic() - start
                 summary = {
                     "step": self.step,
                     "loss": total,
                     "lr": self.scheduler.get_last_lr()[0],
+                    "seconds": round(seconds, 2),  # since this call started, evaluations and saves included
+                    "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
                     **accuracy_summary(window),
                 }
                 window = []
-                bar.set_postfix(loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}")
+                bar.set_postfix(
+                    loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}", tok_s=summary["tokens_per_second"]
+                )
                 self._log(summary)
             if self.step % cfg.eval_every == 0:
                 evaluation = self.evaluate()
                 self._log(evaluation)
-            if self.step % cfg.save_every == 0:
-                self.save()
+            minutes_since_save = (time.monotonic() - last_save) / 60
+            if self.step % cfg.save_every == 0 or (
+                cfg.save_every_minutes is not None and minutes_since_save >= cfg.save_every_minutes
+            ):
+                save()
             if cfg.max_minutes is not None and time.monotonic() - start > 60 * cfg.max_minutes:
                 break
         bar.close()
         if self.step % cfg.eval_every or not evaluation:
             evaluation = self.evaluate()
             self._log(evaluation)
-        self.save()
+        save()
         return {**summary, **evaluation}
 
     def training_anchors(self, batch: Sequence[TrainingSequence], hidden: torch.Tensor) -> list[list[int]]:
@@ -529,6 +550,7 @@ def train_drafter(
     refresh_draft_vocab: bool = False,
     cache_hidden_states_on_disk: bool = True,
     init_drafter: str | Path | None = None,
+    generation_minutes: float | None = None,
 ) -> BlockDiffusionDrafter:
     """The whole recipe, each stage resumable: target responses -> hidden-state cache -> training.
 
@@ -541,6 +563,7 @@ def train_drafter(
     `init_drafter` (a Hub id or directory) starts a new run from that drafter's weights instead of from the
     target (fine-tuning, e.g. on one domain's responses; fresh optimizer and schedule; its architecture and
     vocabulary are kept, the architecture arguments are ignored).
+    `generation_minutes` caps the time spent answering new prompts (training then uses what was answered).
     """
     from .data import (
         cache_hidden_states,
@@ -552,7 +575,15 @@ def train_drafter(
     config = config or DrafterTrainingConfig()
     output_dir = Path(output_dir)
     if prompts is not None:
-        generate_responses(target, tokenizer, prompts, output_dir / "data", generation_batch_size, max_new_tokens)
+        generate_responses(
+            target,
+            tokenizer,
+            prompts,
+            output_dir / "data",
+            generation_batch_size,
+            max_new_tokens,
+            max_seconds=None if generation_minutes is None else 60 * generation_minutes,
+        )
     sequences = read_sequences(output_dir / "data")
     num_embeddings = target.get_input_embeddings().weight.shape[0]
 
