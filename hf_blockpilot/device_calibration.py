@@ -559,21 +559,22 @@ def forget_resolved() -> None:
 
 
 def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
-    """The dtype `--dtype auto` decodes in: on a CPU with native bf16 matmul (AMX or AVX512-BF16), bfloat16 where
-    this machine's calibration of a bfloat16 copy of the pair found its verifies exact and expects decoding (its
-    best width, plain steps included) to run faster than in float32 (`target` and `drafter` in float32);
-    float32 on other CPUs and with calibration off; bfloat16 on GPUs that support it (else float16)."""
+    """The dtype `--dtype auto` decodes in (`target` and `drafter` in float32): float32 or the device's native
+    half type (bfloat16 where its matrix products run it natively: AMX or AVX512-BF16 CPUs, CUDA GPUs with bf16;
+    float16 on other CUDA GPUs), whichever this machine's calibration of a copy of the pair expects to decode
+    faster (its best width, plain steps included) among those whose verifies were probed exact. Where neither
+    was (CUDA: cuBLAS rounds k rows unlike one in both), float32, whose near-ties flip least. float32 on other
+    devices and with calibration off."""
     device = next(target.parameters()).device
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type != "cpu" or not runs_bf16_natively(device) or not calibration_enabled():
+    half = torch.bfloat16 if runs_bf16_natively(device) else torch.float16 if device.type == "cuda" else None
+    if half is None or not calibration_enabled():
         return torch.float32
     widths = range(1, max(DEFAULT_WIDTHS) + 1)
-
-    def best_rate(cost: CostModel) -> float:
-        return max(cost.tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths)
-
-    float32 = best_rate(resolve_cost_model(target, drafter))
-    bf16_cost = resolve_cost_model(copy.deepcopy(target).bfloat16(), copy.deepcopy(drafter).bfloat16())
-    lossless = not bf16_cost.inexact_rows
-    return torch.bfloat16 if lossless and best_rate(bf16_cost) > float32 else torch.float32
+    costs = {
+        torch.float32: resolve_cost_model(target, drafter),
+        half: resolve_cost_model(copy.deepcopy(target).to(half), copy.deepcopy(drafter).to(half)),
+    }
+    exact = [dtype for dtype, cost in costs.items() if not cost.inexact_rows]
+    return max(
+        exact or [torch.float32], key=lambda dtype: max(costs[dtype].tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths)
+    )

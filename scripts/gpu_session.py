@@ -157,6 +157,7 @@ def main() -> int:
     p.add_argument("--bench-limit", type=int, default=3)
     p.add_argument("--bench-max-new-tokens", type=int, default=96)
     p.add_argument("--bench-repeats", type=int, default=1)
+    p.add_argument("--bench-dtype", default="auto")
     args = p.parse_args()
 
     start = time.monotonic()
@@ -221,6 +222,8 @@ def main() -> int:
             "--max-new-tokens",
             str(args.bench_max_new_tokens),
             "--no-baselines",
+            "--dtype",
+            args.bench_dtype,
             "--output-dir",
             str(run / f"bench-{name}"),
         ]

@@ -185,16 +185,24 @@ def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measu
 
 
 @pytest.mark.parametrize(
-    "bf16_verify_ms, bf16_inexact, expected",
-    [(11.0, [], torch.bfloat16), (60.0, [], torch.float32), (11.0, [4], torch.float32)],
+    "bf16_verify_ms, bf16_inexact, float32_inexact, expected",
+    [
+        (11.0, [], [], torch.bfloat16),
+        (60.0, [], [], torch.float32),
+        (11.0, [4], [], torch.float32),
+        (60.0, [], [4], torch.bfloat16),  # the only exact one, though slower
+        (11.0, [4], [4], torch.float32),  # neither exact (CUDA): the one whose near-ties flip least
+    ],
 )
 def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_lossless_speculation(
-    calibrating, monkeypatch, bf16_verify_ms, bf16_inexact, expected
+    calibrating, monkeypatch, bf16_verify_ms, bf16_inexact, float32_inexact, expected
 ):
-    """Native bf16 matmul: a bf16 copy is calibrated; bfloat16 only when it expects more tokens per ms and its
-    verify was probed exact."""
+    """Native bf16 matmul: a bf16 copy is calibrated; bfloat16 when it expects more tokens per ms among the
+    dtypes whose verify was probed exact."""
     costs = {
-        torch.float32: CostModel(target_ms={1: 10.0, 16: 30.0}, drafter_ms={2: 1.0, 16: 1.0}),
+        torch.float32: CostModel(
+            target_ms={1: 10.0, 16: 30.0}, drafter_ms={2: 1.0, 16: 1.0}, inexact_rows=float32_inexact
+        ),
         torch.bfloat16: CostModel(
             target_ms={1: 10.0, 16: bf16_verify_ms}, drafter_ms={2: 1.0, 16: 1.0}, inexact_rows=bf16_inexact
         ),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -424,3 +425,49 @@ def test_decoding_anchors_are_where_real_rounds_start_and_are_trained_on(tmp_pat
 
     with pytest.raises(ValueError, match="decoding_anchor_fraction"):
         DrafterTrainingConfig(decoding_anchor_fraction=1.5)
+
+
+def test_generate_responses_stops_starting_batches_after_max_seconds(tmp_path, monkeypatch):
+    """A time-boxed run keeps the batches answered so far; a rerun goes on with the rest."""
+    from hf_blockpilot.training import data as training_data
+
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    tokenizer = char_tokenizer(48)
+    prompts = [PromptRecord(f"p{i}", "test", "abc" * (i + 1)) for i in range(6)]
+    clock = iter(range(0, 1000, 10))  # each reading of the module's clock is 10 s later
+    monkeypatch.setattr(training_data, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    generate_responses = training_data.generate_responses
+    generate_responses(target, tokenizer, prompts, tmp_path, batch_size=2, max_new_tokens=4, max_seconds=25)
+    assert len(training_data.read_sequences(tmp_path)) == 4  # batches started at 10 s and 20 s; not at 30 s
+    generate_responses(target, tokenizer, prompts, tmp_path, batch_size=2, max_new_tokens=4)
+    assert sorted(s.id for s in training_data.read_sequences(tmp_path)) == [f"p{i}" for i in range(6)]
+
+
+def test_checkpoints_every_few_minutes_and_calls_on_save(tmp_path, monkeypatch):
+    from hf_blockpilot.training import drafter as training_drafter
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    seqs = _periodic_sequences(48, count=4, length=24)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    cfg = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=4,
+        sequences_per_step=2,
+        max_steps=6,
+        warmup_steps=1,
+        save_every=1000,
+        save_every_minutes=1.0,
+        log_every=2,
+        bf16=False,
+        validation_fraction=0.0,
+    )
+    trainer = DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg)
+    clock = iter(range(0, 100_000, 25))  # 25 s per reading: a minute passes every few steps
+    monkeypatch.setattr(training_drafter, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    saved = []
+    trainer.train(on_save=lambda t: saved.append(t.step))
+    assert saved[-1] == 6 and len(saved) >= 3 and saved == sorted(saved)  # by time, and once at the end
+    assert BlockDiffusionDrafter.from_pretrained(tmp_path / "run" / "checkpoint") is not None
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
+    assert [r["step"] for r in log if "tokens_per_second" in r] == [2, 4, 6]
+    assert all(r["seconds"] > 0 and r["tokens_per_second"] > 0 for r in log if "seconds" in r)
