@@ -447,7 +447,8 @@ def _timed_forwards(
 
 
 _resolved: dict[str, CostModel] = {}  # fingerprint key -> this process's cost model for it
-_resolving = threading.Lock()
+_measuring: dict[str, threading.Event] = {}  # fingerprint key -> set when the thread measuring it is done
+_resolving = threading.Lock()  # guards the two dicts only: never held across a forward
 
 
 def calibration_path(fingerprint: dict[str, Any]) -> Path:
@@ -476,14 +477,28 @@ def resolve_cost_model(
     if not calibration_enabled():
         return CostModel.default_for(device)
     key = fingerprint_key(device_fingerprint(target, drafter))
-    with _resolving:
-        cost = _resolved.get(key)
-        if cost is None or max(cost.target_ms) < max_width:
+    while True:  # one thread measures a pair; others asking for it wait for that, nobody else does
+        with _resolving:
+            cost = _resolved.get(key)
+            wide_enough = cost is not None and max(cost.target_ms) >= max_width
+            if wide_enough and (batch_size <= 1 or batch_size in cost.batch_target_ms):
+                return cost
+            done = _measuring.get(key)
+            if done is None:
+                done = _measuring[key] = threading.Event()
+                break
+        done.wait()
+    try:
+        if not wide_enough:
             cost = load_or_calibrate(target, drafter, max_width).cost_model
         if batch_size > 1 and batch_size not in cost.batch_target_ms:
             cost = add_batch_axis(target, drafter, batch_size, max_width).cost_model
-        _resolved[key] = cost
-    return cost
+        with _resolving:
+            _resolved[key] = cost
+        return cost
+    finally:
+        with _resolving:
+            _measuring.pop(key).set()
 
 
 def add_batch_axis(

@@ -91,6 +91,38 @@ def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
     assert len(calibrating) == 2 and max(calibrating[-1]) == 24
 
 
+def test_threads_share_one_measurement_and_no_lock_is_held_while_it_runs(calibrating, monkeypatch):
+    """Two threads asking for one pair measure it once; a third asking for another pair meanwhile is not held
+    up by that measurement (the resolution lock only guards the bookkeeping, never a forward)."""
+    import threading
+
+    measuring, release = threading.Event(), threading.Event()
+    quick = device_calibration.calibrate
+
+    def slow(target, drafter, widths, *args, **kwargs):
+        if next(target.parameters()).shape[-1] == 64:  # the first pair: held until released
+            measuring.set()
+            assert release.wait(30)
+        return quick(target, drafter, widths, *args, **kwargs)
+
+    monkeypatch.setattr(device_calibration, "calibrate", slow)
+    slow_pair = pair()
+    other_target = make_target("llama", vocab_size=VOCAB, hidden_size=32, seed=1)
+    other_pair = (other_target, make_drafter(other_target, block_size=4, seed=1))
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_cost_model(*slow_pair))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    assert measuring.wait(30)
+    other = resolve_cost_model(*other_pair)  # returns while the first pair is still being measured
+    assert not release.is_set() and other.target_ms
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert len(results) == 2 and results[0] is results[1]
+    assert len(calibrating) == 2  # the slow pair once, the other pair once
+
+
 def test_a_cached_calibration_brings_back_the_row_exactness_probe(calibrating, monkeypatch):
     """The per-weight row probe is a property of the machine: cached with the calibration, later processes take
     it from there instead of probing again in their first `generate`."""
