@@ -559,12 +559,20 @@ def load_or_calibrate(
     return calibration
 
 
+#: Calibrations kept in the cache; older entries (e.g. of temporary model directories) are removed.
+CACHE_ENTRIES = 64
+
+
 def save_calibration(calibration: Calibration, path: Path) -> None:
-    """Write atomically (a temporary file renamed over the entry), so readers never see half a file."""
+    """Write atomically (a temporary file renamed over the entry), so readers never see half a file; then keep
+    only the `CACHE_ENTRIES` most recently written entries of that folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(calibration.to_dict(), indent=2))
     partial.replace(path)
+    entries = sorted(path.parent.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
+    for stale in entries[CACHE_ENTRIES:]:
+        stale.unlink(missing_ok=True)  # another process may have removed it first
 
 
 def forget_resolved() -> None:

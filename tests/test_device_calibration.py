@@ -123,6 +123,19 @@ def test_threads_share_one_measurement_and_no_lock_is_held_while_it_runs(calibra
     assert len(calibrating) == 2  # the slow pair once, the other pair once
 
 
+def test_the_calibration_cache_stays_bounded(calibrating, monkeypatch, tmp_path):
+    """One entry per pair (temporary model folders included) would grow without end: the oldest go."""
+    monkeypatch.setattr(device_calibration, "CACHE_ENTRIES", 2)
+    paths = []
+    for seed in range(3):
+        target, drafter = pair(seed)
+        target.config._name_or_path = f"/tmp/model-{seed}"  # a new fingerprint each time
+        resolve_cost_model(target, drafter)
+        paths.append(device_calibration.calibration_path(device_calibration.device_fingerprint(target, drafter)))
+    assert [path.is_file() for path in paths] == [False, True, True]
+    assert len(list(paths[0].parent.glob("*.json"))) == 2
+
+
 def test_a_cached_calibration_brings_back_the_row_exactness_probe(calibrating, monkeypatch):
     """The per-weight row probe is a property of the machine: cached with the calibration, later processes take
     it from there instead of probing again in their first `generate`."""
