@@ -129,14 +129,8 @@ class BlockDiffusionConfig(Qwen3Config):
             )
         if "sliding_attention" not in layer_types:
             return
-        window = self.sliding_window
-        if window is None:
-            raise ValueError(
-                "this drafter's layer_types lists sliding_attention but it has no window (sliding_window is null, or "
-                "use_sliding_window=false turns it off): set use_sliding_window=true and sliding_window, or list "
-                "those layers as full_attention"
-            )
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        window = self.sliding_window  # None (no window, or use_sliding_window=false): causal layers, as the reference
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(f"sliding_window must be an int >= 1 (tokens a query sees), got {window!r}")
 
     def layer_attention(self, layer_idx: int) -> tuple[bool, int | None]:
