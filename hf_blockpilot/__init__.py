@@ -20,13 +20,9 @@ from .candidate_generator import install_generate_routing
 from .configuration_block_diffusion import BlockDiffusionConfig
 from .controllers import (
     AcceptanceEMA,
-    AcceptanceModel,
     AdaptiveVerify,
     BlockSizePolicy,
-    DelegatingController,
     DraftController,
-    DraftedRound,
-    EntropyBound,
     EntropyStop,
     HeuristicSchedule,
     PolicyBlockSize,
@@ -36,9 +32,9 @@ from .controllers import (
 from .costs import CostModel
 from .cpu_kernels import cpu_verify_kernels
 from .modeling_block_diffusion import BlockDiffusionDrafter
-from .policy import BlockPilotPolicy, LastLogitsMLPPolicy, PrefillMLPPolicy
+from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
-from .stats import BatchSpeculationStats, SpeculationStats
+from .stats import SpeculationStats
 
 __version__ = "0.1.0.dev0"
 
@@ -48,24 +44,17 @@ install_generate_routing()
 
 __all__ = [
     "AcceptanceEMA",
-    "AcceptanceModel",
     "AdaptiveVerify",
-    "BatchSpeculationStats",
     "BlockDiffusionConfig",
     "BlockDiffusionDrafter",
     "BlockPilotPolicy",
     "BlockSizePolicy",
     "CostModel",
-    "DelegatingController",
     "DraftController",
-    "DraftedRound",
-    "EntropyBound",
     "EntropyStop",
     "HeuristicSchedule",
-    "LastLogitsMLPPolicy",
     "NgramLookup",
     "PolicyBlockSize",
-    "PrefillMLPPolicy",
     "SpeculationGuard",
     "SpeculationStats",
     "cpu_verify_kernels",
@@ -74,6 +63,13 @@ __all__ = [
 
 #: Names once exported here, now imported from their modules (a DeprecationWarning says where).
 _MOVED_NAMES = {
+    "AcceptanceModel": "hf_blockpilot.controllers",
+    "BatchSpeculationStats": "hf_blockpilot.stats",
+    "DelegatingController": "hf_blockpilot.controllers",
+    "DraftedRound": "hf_blockpilot.controllers",
+    "EntropyBound": "hf_blockpilot.controllers",
+    "LastLogitsMLPPolicy": "hf_blockpilot.policy",
+    "PrefillMLPPolicy": "hf_blockpilot.policy",
     "BlockDiffusionCandidateGenerator": "hf_blockpilot.candidate_generator",
     "build_target_layer_ids": "hf_blockpilot.configuration_block_diffusion",
     "grouped_query_attention": "hf_blockpilot.cpu_kernels",

@@ -257,7 +257,7 @@ def test_asking_for_cuda_without_it_is_a_usage_error(capsys):
 def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     """Loading a policy from a directory printed "Loading weights from local directory" into stdout (and into
     --json output); stdout is the answer and the results line, or the answer and the JSON record."""
-    from hf_blockpilot import PrefillMLPPolicy
+    from hf_blockpilot.policy import PrefillMLPPolicy
 
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     PrefillMLPPolicy(

@@ -39,7 +39,8 @@ def test_compare_stream_shows_every_round_and_matching_text():
 
 
 def test_compare_stream_marks_rounds_the_controller_cut_short():
-    from hf_blockpilot import AcceptanceModel, AdaptiveVerify, CostModel
+    from hf_blockpilot import AdaptiveVerify, CostModel
+    from hf_blockpilot.controllers import AcceptanceModel
 
     target, tokenizer = _pair()
     ids = tokenizer("abcdefQ", return_tensors="pt", add_special_tokens=False)["input_ids"]

@@ -179,7 +179,8 @@ def test_expected_sampled_tau_tracks_real_speculative_sampling():
 def test_replay_under_the_adaptive_controller_equals_real_decoding(family):
     """Labels of the composed system: the replay cuts rounds exactly as `generate` with the same controller
     does, and its modeled time is the cost model summed over those rounds."""
-    from hf_blockpilot import AcceptanceModel, AdaptiveVerify, CostModel
+    from hf_blockpilot import AdaptiveVerify, CostModel
+    from hf_blockpilot.controllers import AcceptanceModel
     from hf_blockpilot.training.calibration import RoundRecorder
 
     target = make_target(family, vocab_size=VOCAB, hidden_size=HIDDEN, seed=6)

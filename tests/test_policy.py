@@ -15,9 +15,16 @@ import torch
 from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
-from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy, LastLogitsMLPPolicy, PrefillMLPPolicy
+from hf_blockpilot import BlockDiffusionDrafter, BlockPilotPolicy
 from hf_blockpilot.controllers import policy_state_indices
-from hf_blockpilot.policy import NUM_SCALAR_FEATURES, checked_feature_layers, drafter_fingerprint, prefill_features
+from hf_blockpilot.policy import (
+    NUM_SCALAR_FEATURES,
+    LastLogitsMLPPolicy,
+    PrefillMLPPolicy,
+    checked_feature_layers,
+    drafter_fingerprint,
+    prefill_features,
+)
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 

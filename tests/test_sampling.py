@@ -16,7 +16,8 @@ import torch
 from conftest import make_drafter, make_sharp_target
 
 import hf_blockpilot.candidate_generator as candidate_generator_module
-from hf_blockpilot import BlockDiffusionDrafter, DraftController, DraftedRound
+from hf_blockpilot import BlockDiffusionDrafter, DraftController
+from hf_blockpilot.controllers import DraftedRound
 
 VOCAB = 4
 NUM_TOKENS = 3  # joint law of the first 3 sampled tokens: VOCAB**3 cells

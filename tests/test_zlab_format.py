@@ -386,7 +386,8 @@ def test_loading_a_target_checkpoint_as_drafter_fails_clearly(tmp_path, family):
 
 
 def test_drafter_and_policy_checkpoints_are_not_taken_for_each_other(tmp_path):
-    from hf_blockpilot import BlockPilotPolicy, PrefillMLPPolicy
+    from hf_blockpilot import BlockPilotPolicy
+    from hf_blockpilot.policy import PrefillMLPPolicy
 
     target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN)
     make_drafter(target).save_pretrained(tmp_path / "drafter")
