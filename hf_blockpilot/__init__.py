@@ -4,6 +4,7 @@
     drafter = hf_blockpilot.BlockDiffusionDrafter.from_pretrained("z-lab/Qwen3-4B-DFlash-b16")
     target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
     target.generate(**inputs, assistant_model=drafter, draft_controller=hf_blockpilot.AdaptiveVerify(16))
+    target.generate(**inputs, custom_generate=hf_blockpilot.generate, drafter=drafter)  # nothing patched
     drafter.last_stats.tau
 
 Importing the package registers the drafter with `AutoConfig`/`AutoModel` and routes
@@ -31,6 +32,7 @@ from .controllers import (
 )
 from .costs import CostModel
 from .cpu_kernels import cpu_verify_kernels
+from .custom_generate import generate
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
@@ -59,6 +61,7 @@ __all__ = [
     "SpeculationStats",
     "cpu_verify_kernels",
     "default_controller",
+    "generate",
 ]
 
 #: Names once exported here, now imported from their modules (a DeprecationWarning says where).

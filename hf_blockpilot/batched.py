@@ -83,8 +83,10 @@ def check_batched_call(
     stopping_criteria: StoppingCriteriaList,
     streamer: Any,
     model_kwargs: dict[str, Any],
+    mode: str = "batch size > 1",
 ) -> None:
-    """Raise a ValueError naming the limit for what batched speculative decoding does not serve."""
+    """Raise a ValueError naming the limit for what batched speculative decoding (`mode`: the path that runs it)
+    does not serve."""
     problems = []
     if streamer is not None:
         problems.append("a streamer (streamers take one row: stream with batch size 1)")
@@ -110,9 +112,13 @@ def check_batched_call(
         problems.append("a drafter with causal or sliding-window layers (z-lab's DFlash drafters attend unmasked)")
     if problems:
         raise ValueError(
-            "block-diffusion speculative decoding with batch size > 1 does not support "
+            f"block-diffusion speculative decoding with {mode} does not support "
             + "; ".join(problems)
-            + ". Call generate() per prompt (batch size 1), or without assistant_model."
+            + (
+                ". Call generate() per prompt (batch size 1), or without assistant_model."
+                if mode == "batch size > 1"
+                else ". Use generate(assistant_model=drafter) after `import hf_blockpilot` for them."
+            )
         )
 
 

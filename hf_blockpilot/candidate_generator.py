@@ -537,8 +537,33 @@ def _assisted_decoding(
         )
     call = _current_call.get()
     controller = call.controller if call is not None else prepare_controller(self, drafter, None, input_ids.shape[0])
+    decoder = batched_decoder(
+        self, drafter, controller, input_ids, generation_config, logits_processor, stopping_criteria, streamer, kwargs
+    )
+    if call is not None:
+        call.stats = decoder.stats
+    sequences = decoder.run()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def batched_decoder(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController,
+    input_ids: torch.LongTensor,
+    generation_config: GenerationConfig,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: Any,
+    streamer: Any,
+    kwargs: dict[str, Any],
+    mode: str = "batch size > 1",
+) -> BatchedSpeculativeDecoder:
+    """The decoder of one call's rows with its prepared `controller` (`prepare_controller`), after checking that
+    it serves the call (`mode` names the path in the error); `kwargs` are the loop's keyword arguments."""
     model_kwargs = {k: v for k, v in kwargs.items() if k not in CALL_ARGUMENTS}
-    check_batched_call(self, drafter, generation_config, stopping_criteria, streamer, model_kwargs)
+    check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, mode)
     batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
     # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
     guard, per_row = None, controller
@@ -548,7 +573,7 @@ def _assisted_decoding(
     for each in [guard, *controllers] if guard is not None else controllers:
         each.use_cost_model(batch_cost)
     decoder = BatchedSpeculativeDecoder(
-        self,
+        target,
         drafter,
         controllers,
         guard,
@@ -560,12 +585,7 @@ def _assisted_decoding(
         hidden_states_to_keep(drafter, controller),
     )
     drafter.last_stats = decoder.stats
-    if call is not None:
-        call.stats = decoder.stats
-    sequences = decoder.run()
-    if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
-    return sequences
+    return decoder
 
 
 #: `_assisted_decoding` arguments that are not model inputs.

@@ -19,7 +19,6 @@ import hf_blockpilot.batched as batched_module
 from hf_blockpilot import (
     AcceptanceEMA,
     AdaptiveVerify,
-    BatchSpeculationStats,
     CostModel,
     DraftController,
     EntropyStop,
@@ -27,6 +26,7 @@ from hf_blockpilot import (
     PolicyBlockSize,
     SpeculationGuard,
 )
+from hf_blockpilot.stats import BatchSpeculationStats
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 
@@ -464,3 +464,72 @@ def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
     assert all(run_cases(6))
     monkeypatch.setattr(cpu_kernels, "needs_exact_verify", lambda model: False)
     assert not all(run_cases(6))  # the stock path: the simulated rounding shows
+
+
+@pytest.fixture
+def nothing_patched(monkeypatch):
+    """Transformers' own `GenerationMixin` methods, as before `import hf_blockpilot` routed them."""
+    from transformers.generation import GenerationMixin
+
+    from hf_blockpilot import candidate_generator as routing
+
+    stock = {
+        "generate": routing._stock_generate,
+        "_assisted_decoding": routing._stock_assisted_decoding,
+        "_get_candidate_generator": routing._stock_get_candidate_generator,
+        "_validate_generation_mode": routing._stock_validate_generation_mode,
+    }
+    for name, method in stock.items():
+        monkeypatch.setattr(GenerationMixin, name, method)
+
+
+def test_custom_generate_is_lossless_with_nothing_patched(nothing_patched):
+    """`generate(custom_generate=hf_blockpilot.generate, drafter=...)` through Transformers' own seam: batch 1
+    and ragged batches, several controllers, every row equal to plain greedy `generate`; the call's statistics
+    travel with its output; the drafter must come as `drafter=`."""
+    import hf_blockpilot
+
+    target = make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=1)
+    names = sorted(CONTROLLERS)
+    for case in range(12):
+        rng = random.Random(case)
+        batch = 1 if case % 3 == 0 else rng.randint(2, 4)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 16))] for _ in range(batch)]
+        ids, mask = left_padded(prompts)
+        max_new = rng.randint(4, 24)
+        expected = generate(target, ids, mask, max_new)
+        scripts = [real_tokens(expected[i], mask[i], None) for i in range(batch)]
+        drafter = BatchScriptedDrafter.from_target(target, block_size=rng.randint(2, 6)).eval()
+        drafter.rig(target, scripts, error_rate=rng.choice([0.0, 0.2, 1.0]), seed=case)
+        name = names[case % len(names)]
+        out = generate(
+            target,
+            ids,
+            mask,
+            max_new,
+            custom_generate=hf_blockpilot.generate,
+            drafter=drafter,
+            draft_controller=CONTROLLERS[name](),
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, expected), f"case {case}: batch={batch} controller={name}"
+        assert out.speculation_stats.batch_size == batch
+    with pytest.raises(TypeError, match="drafter=<BlockDiffusionDrafter>"):
+        generate(target, ids, mask, 4, custom_generate=hf_blockpilot.generate)
+
+
+def test_the_hub_custom_generate_folder_decodes_like_plain(nothing_patched):
+    """`custom_generate="hub/hf-blockpilot-generate"` (a Hub-style repo in this one, loaded as Transformers loads
+    one): the drafter as `assistant_model`, rows equal to plain greedy `generate`."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent.parent / "hub" / "hf-blockpilot-generate"
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=1)
+    ids, mask = left_padded([[5, 6, 7, 8, 5, 6], [9, 10, 11]])
+    expected = generate(target, ids, mask, 12)
+    drafter = BatchScriptedDrafter.from_target(target, block_size=4).eval()
+    drafter.rig(target, [real_tokens(expected[i], mask[i], None) for i in range(2)], error_rate=0.2, seed=0)
+    got = generate(target, ids, mask, 12, custom_generate=str(folder), trust_remote_code=True, assistant_model=drafter)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="this custom_generate repo does not stream"):  # the folder's own code ran
+        generate(target, ids, mask, 12, custom_generate=str(folder), trust_remote_code=True, streamer=BaseStreamer())

@@ -9,14 +9,9 @@ import torch
 from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 from test_policy_training import CANDIDATES, _records
 
-from hf_blockpilot import (
-    AcceptanceModel,
-    AdaptiveVerify,
-    BlockPilotPolicy,
-    CostModel,
-    DraftedRound,
-    PrefillMLPPolicy,
-)
+from hf_blockpilot import AdaptiveVerify, BlockPilotPolicy, CostModel
+from hf_blockpilot.controllers import AcceptanceModel, DraftedRound
+from hf_blockpilot.policy import PrefillMLPPolicy
 from hf_blockpilot.training.calibration import RoundRecorder, fit_acceptance_model
 from hf_blockpilot.training.policy_training import PolicyTrainingConfig, objective_values, train_policy
 

@@ -197,6 +197,22 @@ def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
     assert f"argument {flag}: {message}" in capsys.readouterr().err
 
 
+def test_eval_drafter_by_replay(tmp_path, capsys):
+    """`--replay` prints τ per width, keeps the target's answers for reuse, and refuses a card (a card states
+    real-decoding figures, checked against plain `generate`)."""
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    common = ["eval-drafter", "--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
+    common += ["--datasets", "humaneval", "--limit", "2", "--block-sizes", "2", "4", "--max-new-tokens", "6"]
+    answers = tmp_path / "answers"
+    assert main([*common, "--replay", "--responses-dir", str(answers), "--output", str(tmp_path / "r.json")]) == 0
+    assert "humaneval (2 prompts): b=2: τ=" in capsys.readouterr().out
+    (report,) = json.loads((tmp_path / "r.json").read_text())
+    assert set(report["tau"]) == {"2", "4"} and all(1.0 <= tau <= 4.0 for tau in report["tau"].values())
+    assert (answers / "humaneval-6" / "responses.jsonl").read_text().count("\n") == 2
+    assert main([*common, "--replay", "--card", str(tmp_path / "card.md")]) == 2
+    assert "drop --prompt-lookup and --card" in capsys.readouterr().err
+
+
 def test_a_missing_drafter_directory_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
     from hf_blockpilot.tools import loading as defaults
 

@@ -4,6 +4,7 @@ unchanged and draft exactly what the reference drafts, round for round."""
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -494,3 +495,28 @@ def test_gemma_style_target_drafts_as_the_reference(tmp_path, monkeypatch, scale
         full += sum(c == 4 for c in committed)
         partial += sum(1 < c < 4 for c in committed)
     assert full + partial > 0, "no draft was ever accepted: the rounds compared nothing"
+
+
+def test_tau_by_replay_equals_tau_by_decoding(trained_checkpoint, tmp_path):
+    """`eval-drafter --replay`: the target's answers replayed give the τ of real greedy decoding
+    (float64, so no near-tie can flip), and the answers are kept for a second call."""
+    from conftest import char_tokenizer
+
+    from hf_blockpilot.data import PromptRecord
+    from hf_blockpilot.tools.evaluation import measure_tau, replay_tau
+
+    target, directory = trained_checkpoint
+    target = copy.deepcopy(target).double()
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    drafter = BlockDiffusionDrafter.from_pretrained(directory, dtype=torch.float64).eval()
+    tokenizer = char_tokenizer(VOCAB)
+    prompts = [PromptRecord(f"p{i}", "toy", text) for i, text in enumerate(["abcab", "cbbac", "bca"])]
+    decoded = measure_tau(target, tokenizer, drafter, prompts, block_sizes=(2, 4), max_new_tokens=30)
+    replayed = replay_tau(target, tokenizer, drafter, prompts, (2, 4), 30, responses_dir=tmp_path / "answers")
+    assert decoded.mismatches == {2: 0, 4: 0} and replayed.mismatches == replayed.acceptance_length == {}
+    assert (replayed.prompts, replayed.new_tokens) == (decoded.prompts, decoded.new_tokens) == (3, 90)
+    assert replayed.tau == decoded.tau
+    assert decoded.tau[4] > decoded.tau[2] > 1.2  # the drafter is often right: the comparison is not trivial
+    again = replay_tau(target, tokenizer, drafter, prompts[:2], (4,), 30, responses_dir=tmp_path / "answers")
+    assert again.prompts == 2 and (tmp_path / "answers" / "responses.jsonl").read_text().count("\n") == 3
