@@ -151,12 +151,12 @@ def main() -> int:
     p.add_argument("--code-prompts", type=int, default=12000)
     p.add_argument("--chat-prompts", type=int, default=12000)
     p.add_argument(
-        "--seed", type=int, default=8, help="prompt generators' seed (the shipped drafter saw 0-2; datasets/ has 7)"
+        "--seed", type=int, default=8, help="prompt generators' seed (the shipped drafter saw 0-2; training-data has 7)"
     )
     p.add_argument(
         "--responses",
         default=None,
-        help="answers of an earlier window (responses.jsonl.gz, e.g. datasets/*.jsonl.gz) to train on beside new ones",
+        help="answers of an earlier window (a responses.jsonl.gz, e.g. in training-data/) to train on beside new ones",
     )
     p.add_argument("--generation-batch-size", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=192)
