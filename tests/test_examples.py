@@ -64,3 +64,34 @@ def test_offline_quickstart_runs_on_the_embedded_default():
     pytest.importorskip("gguf", reason="the embedded default target needs the `gguf` package")
     result = _run([sys.executable, str(EXAMPLES / "quickstart_offline.py")])
     assert result.stdout.splitlines()[-1].startswith("block size ")
+
+
+def test_gpu_session_exports_drafter_shards_a_lent_machine_can_send_back(tmp_path, monkeypatch):
+    """scripts/gpu_session.py: the drafter leaves as bf16 shards under the size limit that reload as the drafter;
+    the results tarball holds the small files and not the scratch export."""
+    import tarfile
+
+    import torch
+    from conftest import make_drafter, make_target
+
+    from hf_blockpilot import BlockDiffusionDrafter
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_session.py"
+    spec = importlib.util.spec_from_file_location("gpu_session", path)
+    session = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(session)
+    monkeypatch.setattr(session, "SHARD_SIZE", "10KB")
+    drafter = make_drafter(make_target("llama", vocab_size=48, hidden_size=64), block_size=4)
+    out, run = tmp_path / "out", tmp_path / "run"
+    session.export_drafter(drafter, run / "export", out / "drafter")
+    shards = sorted((out / "drafter").glob("*.safetensors"))
+    assert len(shards) > 1 and all(shard.stat().st_size < 40_000 for shard in shards)
+    back = BlockDiffusionDrafter.from_pretrained(out / "drafter", dtype=torch.bfloat16)
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor)
+    (run / "bench").mkdir(parents=True)
+    (run / "bench" / "results.json").write_text("{}")
+    (run / "big.json").write_bytes(b"0" * 5_000_000)
+    session.pack_results(run, out)
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert tar.getnames() == ["bench/results.json"]
