@@ -108,7 +108,7 @@ def check_batched_call(
     cache = _target_cache(target, model_kwargs)
     if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
         problems.append("a target with sliding-window attention layers (their cache drops entries by slot)")
-    if any(layer.self_attn.is_causal or layer.self_attn.sliding_window is not None for layer in drafter.layers):
+    if drafter.config.has_masked_layers():
         problems.append("a drafter with causal or sliding-window layers (z-lab's DFlash drafters attend unmasked)")
     if problems:
         raise ValueError(

@@ -22,6 +22,7 @@ import functools
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -406,6 +407,16 @@ def prepare_controller(
     return prepared
 
 
+def use_call_kernels(
+    target: PreTrainedModel, controller: DraftController, attention_mask: torch.Tensor | None, rows: int
+) -> Callable[[], None]:
+    """Switch on the verify kernels one call decodes with (`use_verify_kernels`): its calibrated kernel rows, the
+    exact path where verifies need one; a batch verifies with the stock kernels, as its batch axis was timed (the
+    kernel rows are batch 1's). Returns the function that undoes it."""
+    unpadded = attention_mask is None or bool(attention_mask.all())  # once per call
+    return use_verify_kernels(target, controller.cost_model.kernel_rows, unpadded, rows)
+
+
 def _batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
     """The batch size of a `generate` call (1 when its inputs are not a tensor of token ids)."""
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
@@ -429,10 +440,7 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
     batch_size = _batch_size(args, kwargs)
     # bad input fails before any forward
     call = _Call(prepare_controller(self, drafter, draft_controller, batch_size), batch_size)
-    mask = kwargs.get("attention_mask")
-    unpadded = mask is None or bool(mask.all())  # once per call
-    # a batch verifies with the stock kernels, as its batch axis was timed (the kernel rows are batch 1's)
-    undo_kernels = use_verify_kernels(self, call.controller.cost_model.kernel_rows, unpadded, batch_size)
+    undo_kernels = use_call_kernels(self, call.controller, kwargs.get("attention_mask"), batch_size)
     token = _current_call.set(call)
     try:
         output = _stock_generate(self, *args, **kwargs)

@@ -141,6 +141,11 @@ class BlockDiffusionConfig(Qwen3Config):
         is_causal = getattr(self, "is_causal", None)
         return (sliding if is_causal is None else is_causal), (self.sliding_window if sliding else None)
 
+    def has_masked_layers(self) -> bool:
+        """Whether any draft layer is causal or windowed (`layer_attention`), unlike the full, non-causal layers of
+        z-lab's DFlash drafters that training and batched decoding implement."""
+        return any(self.layer_attention(i) != (False, None) for i in range(self.num_hidden_layers))
+
     def _check_dflash2_fields(self) -> None:
         given = [name for name in DFLASH2_FIELDS if self.dflash_config.get(name) is not None]
         if not given:

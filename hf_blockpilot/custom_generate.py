@@ -17,9 +17,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .candidate_generator import batched_decoder, prepare_controller
+from .candidate_generator import batched_decoder, prepare_controller, use_call_kernels
 from .controllers import DraftController
-from .cpu_kernels import use_verify_kernels
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
@@ -44,9 +43,7 @@ def generate(
         )
     rows = input_ids.shape[0]
     controller = prepare_controller(model, drafter, draft_controller, rows)
-    mask = model_kwargs.get("attention_mask")
-    unpadded = mask is None or bool(mask.all())  # once per call
-    undo_kernels = use_verify_kernels(model, controller.cost_model.kernel_rows, unpadded, rows)
+    undo_kernels = use_call_kernels(model, controller, model_kwargs.get("attention_mask"), rows)
     try:
         decoder = batched_decoder(
             model,

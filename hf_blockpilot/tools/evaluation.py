@@ -178,9 +178,7 @@ def replay_tau(
     from ..training.data import generate_responses, read_sequences, target_hidden_states
     from ..training.drafter import DrafterTrainer, DrafterTrainingConfig
 
-    if drafter.config.is_dflash2 or any(
-        drafter.config.layer_attention(i) != (False, None) for i in range(drafter.config.num_hidden_layers)
-    ):
+    if drafter.config.is_dflash2 or drafter.config.has_masked_layers():
         raise ValueError(
             "τ by replay drafts as the trainer does: DFlash (v1) drafters with full, non-causal layers only; "
             "measure this drafter by decoding (eval-drafter without --replay)"

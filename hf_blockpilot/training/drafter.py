@@ -160,7 +160,7 @@ class DrafterTrainer:
                 "training DFlash 2 drafters (convolutions and a candidate selector) is not implemented: train a DFlash "
                 "(v1) drafter, or fine-tune a DFlash 2 one with the authors' recipe"
             )
-        if any(drafter.config.layer_attention(i) != (False, None) for i in range(drafter.config.num_hidden_layers)):
+        if drafter.config.has_masked_layers():
             raise ValueError(
                 "training drafters with causal or sliding-window layers (layer_types / is_causal) is not implemented: "
                 "the training mask would ignore them. Train a drafter with full, non-causal layers (from_target's)"
