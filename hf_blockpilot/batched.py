@@ -49,10 +49,10 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ._compat import cache_argument
-from .controllers import DraftController, DraftedRound, SpeculationGuard
+from .controllers import DraftController, DraftedRound, SpeculationGuard, fastest_width
+from .costs import MIN_PREDICTED_GAIN
 from .cpu_kernels import slot_key_lengths
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
-from .policy import MIN_PREDICTED_GAIN
 from .prompt_lookup import NgramLookup
 from .stats import BatchSpeculationStats, SpeculationStats
 
@@ -294,17 +294,19 @@ class BatchedSpeculativeDecoder:
         self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded)
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
-            row.stats.block_size = row.controller.max_width()
+            row.stats.block_size = row.controller.width()
             row.stats.policy_seconds, row.stats.policy_probs = (
                 row.controller.policy_seconds,
                 row.controller.policy_probs,
             )
             row.stats.target_forwards = 1
             row.stats.widths_per_round.append(1)
+        self.shared_width = all(row.controller.tau_curve() is not None for row in self.rows)
+        width, gain = self._batch_width()
+        pays = gain is None or gain >= 1 + self._drafting_margin()
+        self.batch_plain = self.shared_width and not pays  # with no guard to judge it, as a single request's policy
         if self.guard is not None:
-            widest = max(row.controller.max_width() for row in self.rows)
-            gain, margin = self._predicted_batch_gain(widest)
-            self.guard.begin(self.temperature, widest if gain is None or gain >= 1 + margin else 1)
+            self.guard.begin(self.temperature, width if pays else 1)
         logits = self._process(prefill.logits[:, -1:].float())
         first = self._pick(logits)[:, 0]
         self.anchor = first
@@ -313,26 +315,21 @@ class BatchedSpeculativeDecoder:
             self._round()
         return self._sequences()
 
-    def _predicted_batch_gain(self, widest: int) -> tuple[float | None, float]:
-        """The batch's predicted speedup over plain batched steps when each row drafts its own width (the rows'
-        mean predicted τ, 1 for a row its policy keeps plain, per round of the widest one, under the batch's
-        costs), and the gain the rows' policies need before drafting (the largest `drafting_margin`). `None`
-        where a drafting row's controller predicts no τ (then the guard's prior decides alone)."""
-        if widest <= 1:
-            return 0.0, MIN_PREDICTED_GAIN
-        taus, margin = [], MIN_PREDICTED_GAIN
-        for row in self.rows:
-            width, predicted = row.controller.max_width(), row.controller.policy_probs
-            if width <= 1:
-                taus.append(1.0)
-            elif predicted is None or not getattr(getattr(row.controller, "policy", None), "weighs_costs", False):
-                return None, margin
-            else:
-                taus.append(predicted[width])
-                margin = max(margin, row.controller.policy.drafting_margin())
-        cost = self.guard.cost_model
-        plain_ms = cost.modeled_round_ms(1, 0, self.temperature)
-        return sum(taus) / len(taus) * plain_ms / cost.modeled_round_ms(widest, widest - 1, self.temperature), margin
+    def _batch_width(self) -> tuple[int, float | None]:
+        """The width the batch drafts next, and its predicted speedup over plain batched steps. Where every row's
+        controller predicts τ per width (a τ policy's, corrected by the row's rounds: `tau_curve`), every row
+        drafts the one width at which the slowest row commits the most per round's cost at the batch's size
+        (`fastest_width`: a batch runs until its slowest row is done, and its widest row sets a round's cost);
+        else each row drafts its own width, and the widest is returned with no prediction (`None`)."""
+        if not self.shared_width:
+            return max(row.controller.width() for row in self.rows), None
+        curves = [row.controller.tau_curve() for row in self.rows]
+        return fastest_width(curves, self.rows[0].controller.cost_model, self.temperature)
+
+    def _drafting_margin(self) -> float:
+        """The predicted gain the rows' policies need before drafting: the largest `TauEvidence.margin`."""
+        evidence = [row.controller.evidence for row in self.rows]
+        return max([MIN_PREDICTED_GAIN, *(each.margin for each in evidence if each is not None)])
 
     def _round(self) -> None:
         drafts, draft_logits, keeps = self._draft()
@@ -370,9 +367,11 @@ class BatchedSpeculativeDecoder:
         """This round's drafts (rows, slots) and their draft logits, and per row how many go to the target."""
         widths, budgets = [], []
         drafting = self.guard is None or self.guard.width() > 1  # the guard may pause the whole batch
+        drafting = drafting and not self.batch_plain
+        shared = self._batch_width()[0] if drafting and self.shared_width else None
         for row in self.rows:
             room = self.max_length - row.ids.shape[1]
-            width = min(row.controller.width() if drafting else 1, room + 1)
+            width = min((shared or row.controller.width()) if drafting else 1, room + 1)
             budgets.append(max(min(width - 1, room - 1), 0))
             widths.append(width if budgets[-1] > 0 else 1)
             row.lookup_drafts = (

@@ -180,7 +180,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         """Once per request, after the prefill: the controller reads it (a policy picks the width)."""
         self.controller.start(prefill_outputs, self.target_head, self.temperature)
         self.started = True
-        self.stats.block_size = self.controller.max_width()
+        self.stats.block_size = self.controller.width()
         self.stats.policy_seconds = self.controller.policy_seconds
         self.stats.policy_probs = self.controller.policy_probs
 

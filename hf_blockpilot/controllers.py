@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .costs import PRIOR_ACCEPTANCE, CostModel
+from .costs import MIN_PREDICTED_GAIN, PRIOR_ACCEPTANCE, CostModel
 
 MAX_BLOCK_SIZE = 256  # the widest block a controller may draft: far past any DFlash drafter's training size
 
@@ -83,12 +83,16 @@ class DraftController:
 
     name = "fixed"
     reads_confidence = False  # whether `num_to_verify` needs per-slot confidences (a softmax per round)
+    correct_width = False  # whether a τ policy's width follows the acceptance the request's rounds show
+    prior_trials = 4.0  # what a τ policy's prediction weighs against observed slots (`TauEvidence`)
 
     def __init__(self, block_size: int = 16):
         self.block_size = check_block_size(block_size)
         self.policy_probs: dict[int, float] | None = None
         self.policy_seconds = 0.0
         self.cost_model: CostModel | None = None  # this device's costs (see `use_cost_model`)
+        self.temperature = 0.0
+        self.evidence: TauEvidence | None = None
 
     def for_request(self) -> DraftController:
         """A copy with fresh per-request state (models and tables are shared, not copied)."""
@@ -100,6 +104,7 @@ class DraftController:
         """Clear per-request state."""
         self.policy_probs = None
         self.policy_seconds = 0.0
+        self.evidence = None
 
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
         """Error early if this controller cannot serve `target` + `drafter`."""
@@ -120,8 +125,10 @@ class DraftController:
         self, policy: BlockSizePolicy, prefill_outputs: Any, lm_head: nn.Module, temperature: float
     ) -> None:
         """Take this request's block size (1: speculation off) and the candidates' scores from `policy`, timed
-        (`policy_seconds`); a policy that weighs costs gets this request's cost model."""
+        (`policy_seconds`); a policy that weighs costs gets this request's cost model, and its predicted τ per
+        candidate becomes the request's `evidence`, which the rounds' acceptance corrects."""
         begin = time.perf_counter()
+        self.temperature = temperature
         if getattr(policy, "weighs_costs", False):
             chosen, self.policy_probs = policy.choose_block_size(
                 prefill_outputs, lm_head, temperature, cost_model=self.cost_model
@@ -129,14 +136,33 @@ class DraftController:
         else:
             chosen, self.policy_probs = policy.choose_block_size(prefill_outputs, lm_head, temperature)
         self.block_size = max(chosen, 1)
+        if getattr(policy, "weighs_costs", False):
+            margin = policy.drafting_margin() if hasattr(policy, "drafting_margin") else MIN_PREDICTED_GAIN
+            self.evidence = TauEvidence(self.policy_probs, self.prior_trials, margin)
         self.policy_seconds = time.perf_counter() - begin
+
+    def tau_curve(self) -> dict[int, float] | None:
+        """τ(b) per candidate width as this request now expects it: a τ policy's prediction, corrected by the
+        acceptance of the rounds so far (`None`: this controller predicts none)."""
+        return None if self.evidence is None else self.evidence.current()
+
+    def correct_with(self, verified: int, accepted: int) -> None:
+        """Take a round's outcome into the request's evidence; where `correct_width`, a drafting request's width
+        becomes the fastest under the corrected τ and this device's costs (plain steps stay the guard's call)."""
+        if self.evidence is None:
+            return
+        self.evidence.observe(verified, accepted)
+        if self.correct_width and self.block_size > 1 and self.cost_model is not None:
+            self.block_size = fastest_width([self.evidence.current()], self.cost_model, self.temperature)[0]
 
     def width(self) -> int:
         """Slots to draft in the next round (anchor included; 1 = no drafting)."""
         return self.block_size
 
     def max_width(self) -> int:
-        """The widest block this request may draft (what `stats.block_size` reports)."""
+        """The widest block this request may draft (a corrected width may grow to the widest candidate)."""
+        if self.evidence is not None and self.correct_width and self.block_size > 1:
+            return max(self.evidence.predicted)
         return self.block_size
 
     def num_to_verify(self, drafted: DraftedRound) -> int:
@@ -151,14 +177,22 @@ class DraftController:
 
 
 class PolicyBlockSize(DraftController):
-    """The block size chosen once per request by a BlockPilot policy from the prefill; every draft verified."""
+    """The block size chosen per request by a BlockPilot policy from the prefill; every draft verified.
+
+    `correct_width` (default): a τ-predicting policy's choice is corrected during the request: its predicted
+    τ per width, worth `prior_trials` slot trials of acceptance, is updated by every round's outcome
+    (`TauEvidence`), and the next round drafts the width fastest under the updated τ and this device's costs."""
 
     name = "policy"
 
-    def __init__(self, policy: BlockSizePolicy):
+    def __init__(self, policy: BlockSizePolicy, correct_width: bool = True, prior_trials: float = 4.0):
         if not isinstance(policy, BlockSizePolicy):
             raise TypeError(f"expected a block-size policy (e.g. BlockPilotPolicy), got {type(policy).__name__}")
+        if prior_trials <= 0:
+            raise ValueError(f"prior_trials must be > 0, got {prior_trials}")
         self.policy = policy
+        self.correct_width = correct_width
+        self.prior_trials = prior_trials
         super().__init__(_widest(policy))
 
     def check_compatible(self, target: nn.Module, drafter: nn.Module) -> None:
@@ -170,8 +204,11 @@ class PolicyBlockSize(DraftController):
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         self.choose_with(self.policy, prefill_outputs, lm_head, temperature)
 
+    def observe(self, verified: int, accepted: int) -> None:
+        self.correct_with(verified, accepted)
+
     def describe(self) -> str:
-        return "policy"
+        return "policy" if self.correct_width else "policy(uncorrected)"
 
 
 class HeuristicSchedule(DraftController):
@@ -306,6 +343,70 @@ def expected_committed(acceptance: torch.Tensor) -> torch.Tensor:
     return torch.cat([survival.new_ones(1), 1.0 + torch.cumsum(survival, dim=0)])
 
 
+def geometric_tau(acceptance: float, width: int) -> float:
+    """Expected tokens a round drafting `width` slots commits (every draft verified, bonus included) when each
+    draft is accepted with probability `acceptance` given the ones before it."""
+    return sum(acceptance**i for i in range(width))
+
+
+@dataclass
+class TauEvidence:
+    """A request's predicted τ(b) per candidate width, corrected by the acceptance its own rounds show.
+
+    The prediction (a τ policy's, made consistent) is read as a per-slot acceptance `prior_acceptance` (the
+    geometric fit, `geometric_tau`) worth `prior_trials` slot trials; every verified slot is a trial (accepted
+    drafts succeed, the first rejected one fails). `current()` scales each predicted τ(b) by how the posterior mean
+    acceptance changes the geometric τ(b), so before any round it is the prediction itself. `margin`: the
+    policy's `drafting_margin`."""
+
+    predicted: dict[int, float]
+    prior_trials: float = 4.0
+    margin: float = MIN_PREDICTED_GAIN  # the predicted gain over plain steps the policy needs before drafting
+    prior_acceptance: float = field(init=False)
+    successes: float = field(init=False)
+    failures: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        fits = [(b, t) for b, t in self.predicted.items() if b > 1]
+        grid = [i / 200 for i in range(200)]  # acceptance 0 .. 0.995
+        self.prior_acceptance = min(grid, key=lambda a: sum((geometric_tau(a, b) - t) ** 2 for b, t in fits))
+        self.successes = self.prior_trials * self.prior_acceptance
+        self.failures = self.prior_trials * (1.0 - self.prior_acceptance)
+
+    def observe(self, verified: float, accepted: float) -> None:
+        if verified > 0:
+            self.successes += accepted
+            self.failures += float(accepted < verified)
+
+    @property
+    def acceptance(self) -> float:
+        """The posterior mean per-slot acceptance."""
+        return self.successes / (self.successes + self.failures)
+
+    def current(self) -> dict[int, float]:
+        """τ(b) per candidate, corrected by the rounds observed so far (1 <= τ(b) <= b)."""
+        now = self.acceptance
+        return {
+            b: min(max(t * geometric_tau(now, b) / geometric_tau(self.prior_acceptance, b), 1.0), float(b))
+            for b, t in self.predicted.items()
+        }
+
+
+def fastest_width(curves: Sequence[dict[int, float]], cost_model: CostModel, temperature: float) -> tuple[int, float]:
+    """The drafting width (>= 2, among the widths every curve predicts) at which the slowest of `curves` (one
+    per row of a batch; one for a single request) commits the most tokens per ms of a round, every draft
+    verified, under `cost_model`; and its predicted speedup over plain steps. A batch runs until its slowest
+    row is done, so a round's worth is the least τ among its rows."""
+    widths = sorted(set.intersection(*(set(c) for c in curves)) - {1})
+    plain_ms = cost_model.round_ms(1, temperature)
+    best, best_gain = 1, 0.0
+    for width in widths:
+        gain = min(c[width] for c in curves) * plain_ms / cost_model.round_ms(width, temperature)
+        if gain > best_gain:
+            best, best_gain = width, gain
+    return best, best_gain
+
+
 class EntropyStop(DraftController):
     """AdaEDL's stopping rule: verify drafts while the entropy bound on their acceptance stays >= `threshold`."""
 
@@ -334,7 +435,8 @@ class AdaptiveVerify(DraftController):
     entropy bound).
 
     The drafting width is `block_size`, or chosen per request by `policy` (which may also carry the
-    acceptance model it was trained with; an explicit `acceptance` wins). The costs are `cost_model` if given,
+    acceptance model it was trained with; an explicit `acceptance` wins) and, for a τ policy, corrected by the
+    rounds' acceptance as in `PolicyBlockSize` (`correct_width`). The costs are `cost_model` if given,
     else this machine's calibration (resolved by `generate`, see `use_cost_model`); a policy's own cost model
     (from the machine its labels were timed on) is not used for decisions.
     """
@@ -348,9 +450,11 @@ class AdaptiveVerify(DraftController):
         policy: BlockSizePolicy | None = None,
         acceptance: AcceptanceModel | EntropyBound | None = None,
         cost_model: CostModel | None = None,
+        correct_width: bool = True,
     ):
         super().__init__(block_size if policy is None else _widest(policy))
         self.fixed_block_size = self.block_size
+        self.correct_width = correct_width
         self.policy = policy
         self.acceptance = acceptance or getattr(policy, "acceptance_model", None) or EntropyBound()
         self.cost_model = cost_model
@@ -381,6 +485,9 @@ class AdaptiveVerify(DraftController):
         costs = self._round_costs(drafted.num_drafts + 1, acceptance.device)
         rate = expected_committed(acceptance.to(costs.device)) / costs
         return int(rate.argmax())  # the round's one host sync for the decision
+
+    def observe(self, verified: int, accepted: int) -> None:
+        self.correct_with(verified, accepted)
 
     def _round_costs(self, width: int, device: torch.device) -> torch.Tensor:
         if width not in self._costs:
@@ -471,6 +578,9 @@ class DelegatingController(DraftController):
     def max_width(self) -> int:
         return self.inner.max_width()
 
+    def tau_curve(self) -> dict[int, float] | None:
+        return self.inner.tau_curve()
+
     def num_to_verify(self, drafted: DraftedRound) -> int:
         return self.inner.num_to_verify(drafted)
 
@@ -550,27 +660,26 @@ class SpeculationGuard(DelegatingController):
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         super().start(prefill_outputs, lm_head, temperature)
-        self.begin(temperature, self.inner.max_width())
+        self.begin(temperature, self.inner.width())
 
-    def begin(self, temperature: float, widest: int) -> None:
-        """Start judging: the request decodes plain if drafting `widest` slots cannot pay. A batch's guard starts
-        here, its rows' own controllers having read their prefills (`hf_blockpilot.batched`)."""
+    def begin(self, temperature: float, width: int) -> None:
+        """Start judging: the request decodes plain if drafting `width` slots (its first drafting width) cannot
+        pay. A batch's guard starts here, its rows' own controllers having read their prefills
+        (`hf_blockpilot.batched`)."""
         self.temperature = temperature
-        self.plain_request = not self.speculation_can_pay(widest)
-        self._start_judging()
+        self.plain_request = not self.speculation_can_pay(width)
+        self._start_judging(width)
         self.last_time = self.clock()
 
-    def _start_judging(self) -> None:
-        """Drafting starts: the decayed sums hold only the prior (`prior_rounds` rounds of the widest block,
-        every draft verified, at the prior acceptance, on the cost model's clock)."""
+    def _start_judging(self, width: int) -> None:
+        """Drafting starts: the decayed sums hold only the prior (`prior_rounds` rounds of `width` slots, every
+        draft verified, at the prior acceptance, on the cost model's clock)."""
         self.judged = 0
         self.committed = self.seconds = 0.0
-        widest = self.inner.max_width()
-        if self.cost_model is None or widest <= 1:
+        if self.cost_model is None or width <= 1:
             return
-        tokens = 1.0 + sum(self.prior_acceptance**i for i in range(1, widest))
-        self.committed = self.prior_rounds * tokens
-        self.seconds = self.prior_rounds * self.cost_model.modeled_round_ms(widest, widest - 1, self.temperature) / 1000
+        self.committed = self.prior_rounds * geometric_tau(self.prior_acceptance, width)
+        self.seconds = self.prior_rounds * self.cost_model.round_ms(width, self.temperature) / 1000
 
     def speculation_can_pay(self, width: int) -> bool:
         """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance."""

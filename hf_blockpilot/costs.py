@@ -14,6 +14,9 @@ from .stats import SpeculationStats
 ASSETS = Path(__file__).parent / "assets"
 #: The per-slot acceptance assumed where a decision is made before any drafting (the guard, `--dtype auto`).
 PRIOR_ACCEPTANCE = 0.5
+#: A τ policy drafts only where its predicted rate beats plain decoding (b = 1) by this fraction at least, and by
+#: its held-out τ error where that is larger (`drafting_margin`): a predicted tie is as likely a loss as a gain.
+MIN_PREDICTED_GAIN = 0.05
 
 
 @dataclass

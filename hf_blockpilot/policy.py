@@ -32,7 +32,7 @@ from torch import nn
 
 from ._compat import tensor_version
 from .controllers import AcceptanceModel
-from .costs import CostModel
+from .costs import MIN_PREDICTED_GAIN, CostModel
 
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "policy_card.md"
 NUM_SCALAR_FEATURES = 5  # entropy, top-1 probability, top-1 minus top-2 probability, log prompt length, temperature
@@ -141,9 +141,6 @@ class LastLogitsMLP(nn.Module):
 #: `"throughput"` / `"acceptance"`: a distribution over the candidates, trained to put the most mass on the fastest
 #: width on the machine the labels were priced on / on the width of the longest τ (checkpoints before the τ head).
 OBJECTIVES = ("tau", "throughput", "acceptance")
-#: A τ policy drafts only where its predicted rate beats plain decoding (b = 1) by this fraction at least, and by
-#: its held-out τ error where that is larger (`drafting_margin`): a predicted tie is as likely a loss as a gain.
-MIN_PREDICTED_GAIN = 0.05
 
 
 def margin_for(tau_error: float | None) -> float:

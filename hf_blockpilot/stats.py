@@ -13,7 +13,7 @@ class SpeculationStats:
     """What one `generate(..., assistant_model=drafter)` call did.
 
     Attributes:
-        block_size: widest block the request could draft (the fixed or policy-chosen b; 1 = speculation off).
+        block_size: the width the request started drafting at (the fixed or policy-chosen b; 1 = speculation off).
         controller: the draft controller that decided widths and verify budgets.
         prompt_tokens: prompt length.
         new_tokens: tokens committed after the prompt.

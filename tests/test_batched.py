@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import BatchScriptedDrafter, char_tokenizer, make_drafter, make_sharp_target, make_target
-from test_policy import make_policy
+from test_policy import _tau_policy, make_policy
 from test_sampling import VOCAB as SAMPLING_VOCAB
 from test_sampling import chi2_critical, chi_square, exact_joint
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -347,6 +347,22 @@ def test_the_guard_turns_speculation_off_as_the_batch_grows():
         guard.use_cost_model(cost.for_batch(batch))
         pays.append(guard.speculation_can_pay(4))
     assert pays == [True, False]
+
+
+def test_a_tau_policy_batch_drafts_one_width_at_a_time():
+    """Rows whose controllers predict τ per width draft one shared width per round (the widest row sets a round's
+    cost, the slowest row the batch's length: `fastest_width`), corrected by the rows' rounds; rows stay exact."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=8)
+    drafter = make_drafter(target, block_size=8)
+    controller = PolicyBlockSize(_tau_policy(target, drafter))
+    controller.use_cost_model(CostModel(target_ms={1: 30.0, 2: 33.0, 8: 45.0}, drafter_ms={2: 2.0, 8: 2.5}))
+    ids, mask = left_padded([[5, 9, 11, 3, 7], [4, 8], [12, 13, 14, 15, 16, 17, 18]])
+    got = generate(target, ids, mask, 24, assistant_model=drafter, draft_controller=controller)
+    assert torch.equal(got, generate(target, ids, mask, 24))
+    rows = drafter.last_stats.rows
+    rounds = list(zip(*(row.widths_per_round[1:12] for row in rows), strict=False))
+    assert all(len(set(widths)) == 1 for widths in rounds), rounds
+    assert rounds[0][0] == 8 and rounds[-1][0] < 8  # this random drafter's rejections narrow the batch's width
 
 
 def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):

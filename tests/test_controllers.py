@@ -20,9 +20,12 @@ from hf_blockpilot.controllers import (
     HeuristicSchedule,
     PolicyBlockSize,
     SpeculationGuard,
+    TauEvidence,
     check_block_size,
     default_controller,
     expected_committed,
+    fastest_width,
+    geometric_tau,
 )
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.stats import SpeculationStats
@@ -148,7 +151,7 @@ def test_controller_is_per_call_and_leaves_the_drafter_alone():
     prompt = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
     expected = greedy_generate(target, prompt, 20, None)
     shared = HeuristicSchedule(start_block_size=3, max_block_size=12)
-    for controller, width in [(DraftController(7), 7), (9, 9), (shared, 12), (shared, 12), (None, 4)]:
+    for controller, width in [(DraftController(7), 7), (9, 9), (shared, 3), (shared, 3), (None, 4)]:
         out = greedy_generate(target, prompt, 20, None, assistant_model=drafter, draft_controller=controller)
         assert torch.equal(out, expected)
         assert drafter.last_stats.block_size == width
@@ -316,3 +319,84 @@ def test_the_default_is_the_guarded_fixed_block_size_and_drafts_as_it_where_draf
     assert drafter.last_stats.drafted_per_round == guarded.drafted_per_round
     assert guarded.plain_rounds == drafter.last_stats.plain_rounds  # the last token: no room to draft
     assert guarded.controller == f"guarded(fixed(b={block_size}))"
+
+
+PREDICTED = {1: 1.0, 2: 1.9, 4: 3.5, 8: 6.2}  # a τ policy's prediction (consistent: gains per slot fall)
+
+
+class _StubTauPolicy:
+    """A τ policy that picks `chosen` for every request and predicts `PREDICTED`."""
+
+    candidates = list(PREDICTED)
+    weighs_costs = True
+
+    def __init__(self, chosen: int):
+        self.chosen = chosen
+
+    def choose_block_size(self, prefill_outputs, lm_head, temperature, cost_model=None):
+        return self.chosen, dict(PREDICTED)
+
+    def check_compatible(self, target, drafter=None):
+        pass
+
+
+def test_tau_evidence_starts_at_the_prediction_and_follows_the_rounds():
+    evidence = TauEvidence(dict(PREDICTED))
+    assert evidence.current() == pytest.approx(PREDICTED)  # no round yet: the prediction itself
+    assert 0.7 < evidence.prior_acceptance < 0.95  # the geometric fit of 1.9 / 3.5 / 6.2
+    assert geometric_tau(evidence.prior_acceptance, 4) == pytest.approx(3.5, rel=0.1)
+    rejected = TauEvidence(dict(PREDICTED))
+    for _ in range(4):
+        rejected.observe(verified=7, accepted=0)
+    accepted = TauEvidence(dict(PREDICTED))
+    for _ in range(4):
+        accepted.observe(verified=7, accepted=7)
+    low, high = rejected.current(), accepted.current()
+    assert low[8] < 2.0 < PREDICTED[8] < high[8] <= 8.0
+    assert all(1.0 <= low[b] <= high[b] <= b for b in PREDICTED)
+    assert low[1] == high[1] == 1.0
+    rejected.observe(verified=0, accepted=0)  # a plain round is no evidence
+    assert rejected.current() == low
+
+
+def test_fastest_width_prices_the_slowest_row():
+    """A batch round's worth is its slowest row's τ: the mean of these rows favours b = 8, the slowest b = 4."""
+    cost = _cost({1: 10.0, 4: 12.0, 8: 16.0}, drafter_ms=1.0)
+    sure, unsure = {1: 1.0, 4: 3.9, 8: 7.8}, {1: 1.0, 4: 2.2, 8: 2.4}
+    assert fastest_width([sure], cost, 0.0)[0] == 8
+    width, gain = fastest_width([sure, unsure], cost, 0.0)
+    assert width == 4 and gain == pytest.approx(2.2 * 10.0 / 13.0)
+    assert fastest_width([{1: 1.0}], cost, 0.0) == (1, 0.0)  # no drafting width: nothing to pick
+
+
+def test_a_policy_width_follows_the_requests_acceptance():
+    """The width a τ policy chose is corrected by the request's own rounds: drafts the target rejects shrink it
+    within a few rounds, drafts it accepts widen it (up to the widest candidate); `correct_width=False` keeps it."""
+    cost = _cost({1: 10.0, 2: 11.0, 4: 12.0, 8: 15.0}, drafter_ms=1.0)
+
+    def started(chosen: int, **kwargs) -> PolicyBlockSize:
+        controller = PolicyBlockSize(_StubTauPolicy(chosen), **kwargs).for_request()
+        controller.use_cost_model(cost)
+        controller.start(None, None, 0.0)
+        return controller
+
+    shrinking = started(8)
+    assert shrinking.width() == 8 and shrinking.max_width() == 8
+    widths = []
+    for _ in range(10):
+        shrinking.observe(shrinking.width() - 1, 0)
+        widths.append(shrinking.width())
+    assert widths[1] == 4 and widths[-1] == 2 and widths == sorted(widths, reverse=True), widths
+    growing = started(2)
+    for _ in range(6):
+        growing.observe(growing.width() - 1, growing.width() - 1)
+    assert growing.width() == 8 and growing.max_width() == 8
+    fixed = started(8, correct_width=False)
+    for _ in range(4):
+        fixed.observe(7, 0)
+    assert fixed.width() == 8 and fixed.describe() == "policy(uncorrected)"
+    plain = started(1)
+    plain.observe(0, 0)
+    assert plain.width() == 1 and plain.max_width() == 1  # plain stays plain: drafting is the guard's call
+    with pytest.raises(ValueError, match="prior_trials must be > 0"):
+        PolicyBlockSize(_StubTauPolicy(2), prior_trials=0)

@@ -489,6 +489,28 @@ def test_a_tau_policy_is_served_by_default_with_this_machines_costs(target, monk
         assert drafter.last_stats.controller == "guarded(policy)"
 
 
+def test_a_tau_policys_width_is_corrected_by_the_requests_rounds(target):
+    """The policy predicts τ(8) = 6.6 for every prompt and picks b = 8; this random drafter's drafts are rejected,
+    so the request's later rounds draft narrower blocks; greedy output stays plain decoding's."""
+    from hf_blockpilot import CostModel, PolicyBlockSize
+
+    drafter = make_drafter(target, block_size=4)
+    policy = _tau_policy(target, drafter)
+    cost = CostModel(target_ms={1: 30.0, 2: 33.0, 8: 45.0}, drafter_ms={2: 2.0, 8: 2.5})
+    prompt = _prompt(5)
+    expected = _greedy(target, prompt)
+    widths = {}
+    for correct in (True, False):
+        controller = PolicyBlockSize(policy, correct_width=correct)
+        controller.use_cost_model(cost)
+        assert torch.equal(_greedy(target, prompt, assistant_model=drafter, draft_controller=controller), expected)
+        stats = drafter.last_stats
+        assert stats.block_size == 8 and stats.tau < 1.5
+        widths[correct] = [w for w in stats.widths_per_round[1:] if w > 1]
+    assert widths[False][:8] == [8] * 8  # uncorrected: b = 8 until the room left before max_length shrinks it
+    assert widths[True][0] == 8 and widths[True][7] < 8 and widths[True] == sorted(widths[True], reverse=True)
+
+
 def test_a_tau_policy_drafts_only_where_it_predicts_a_clear_gain_over_plain(target):
     from hf_blockpilot.policy import MIN_PREDICTED_GAIN
 

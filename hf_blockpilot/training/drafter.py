@@ -426,18 +426,26 @@ class DrafterTrainer:
         """
         start = seq.response_start if start is None else start
         stop = len(seq.input_ids) - 1 if stop is None else stop
-        positions = list(range(start, stop))
-        correct = []
-        for i in range(0, len(positions), chunk):
-            _, acc = self.batch_loss([seq], hidden[None], anchors=[positions[i : i + chunk]])
-            correct.append(acc["correct"])
-        accepted = torch.cat(correct).int().cumprod(dim=1).sum(dim=1).tolist() if correct else []
+        accepted = self.draft_acceptance(seq, hidden, chunk, start, stop)
         committed = []
         anchor = start
         while anchor < stop:
             committed.append(min(accepted[anchor - start] + 1, stop - anchor))
             anchor += committed[-1]
         return committed
+
+    @torch.no_grad()
+    def draft_acceptance(
+        self, seq: TrainingSequence, hidden: torch.Tensor, chunk: int, start: int, stop: int
+    ) -> list[int]:
+        """Drafts the target accepts (greedy, 0..block_size - 1) of a block anchored at each position
+        `start..stop - 1` of `seq`, scored in chunks of `chunk` blocks."""
+        positions = list(range(start, stop))
+        correct = []
+        for i in range(0, len(positions), chunk):
+            _, acc = self.batch_loss([seq], hidden[None], anchors=[positions[i : i + chunk]])
+            correct.append(acc["correct"])
+        return torch.cat(correct).int().cumprod(dim=1).sum(dim=1).tolist() if correct else []
 
     @torch.no_grad()
     def evaluate(self) -> dict:

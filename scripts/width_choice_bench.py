@@ -1,0 +1,159 @@
+"""Modeled benchmark of the per-request width choice: the embedded policy with and without the in-request
+correction, every fixed width and plain decoding, on the held-out prompts, under every recorded cost table.
+
+Each held-out prompt's greedy answer is replayed once per drafting width (the drafts the target would accept at
+every position, `DrafterTrainer.draft_acceptance`, float32); the library's own controllers then decode it round by
+round (greedy: a round of width w anchored at position p commits its accepted drafts plus the target's token),
+each round timed by the table. Prefill counted as one plain step on both sides. Acceptance is float32's; a
+bfloat16 table prices the same rounds.
+
+    .venv/bin/python scripts/width_choice_bench.py --responses-dir runs/heldout-responses --out runs/width-choice
+
+Writes results.json and results.md to --out (the replay is cached there as acceptance.json: reruns take
+seconds). Offline; on the 2-core EPYC the replay of 244 prompts x 7 widths takes about 15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from hf_blockpilot.controllers import DraftController, PolicyBlockSize, SpeculationGuard, policy_state_indices
+from hf_blockpilot.costs import CostModel
+from hf_blockpilot.data import load_prompts
+from hf_blockpilot.tools.loading import load_default_target, resolve_drafter, resolve_policy
+from hf_blockpilot.training.data import generate_responses, read_sequences, target_hidden_states
+from hf_blockpilot.training.drafter import DrafterTrainer, DrafterTrainingConfig
+
+
+def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
+    """{dataset: {prompt id: {"width": [accepted drafts at each answer position]}}}, cached in --out."""
+    cache = args.out / "acceptance.json"
+    done = json.loads(cache.read_text()) if cache.exists() else {}
+    for dataset in args.datasets:
+        prompts = load_prompts(dataset, args.limit)
+        data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
+        generate_responses(target, tokenizer, prompts, data, 1, args.max_new_tokens, 10**9, dtype=None)
+        wanted = {p.id for p in prompts}
+        table = done.setdefault(dataset, {})
+        for seq in (s for s in read_sequences(data) if s.id in wanted and s.id not in table):
+            hidden = target_hidden_states(target, [seq], drafter.target_layer_ids, torch.float32)[0]
+            table[seq.id] = {}
+            for b in widths:
+                config = DrafterTrainingConfig(block_size=b, bf16=False, validation_fraction=0.0)
+                trainer = DrafterTrainer(drafter, target, [seq], None, args.out / "trainer", config)
+                drafter.eval()
+                stop = len(seq.input_ids) - 1
+                table[seq.id][str(b)] = trainer.draft_acceptance(seq, hidden, 64, seq.response_start, stop)
+            cache.write_text(json.dumps(done))
+            print(f"replayed {dataset} {seq.id} ({len(table)}/{len(wanted)})", flush=True)
+    return done
+
+
+def prefills(args, target, policy) -> dict:
+    """{prompt id: the prefill outputs the policy reads} (other hidden states dropped)."""
+    keep = policy_state_indices(policy)
+    out = {}
+    for dataset in args.datasets:
+        data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
+        for seq in read_sequences(data):
+            with torch.no_grad():
+                states = target(torch.tensor([seq.input_ids[: seq.response_start]]), output_hidden_states=True)
+            n = len(states.hidden_states)
+            wanted = {i % n for i in keep} if keep is not None else set(range(n))
+            out[seq.id] = SimpleNamespace(
+                hidden_states=[h if i in wanted else None for i, h in enumerate(states.hidden_states)]
+            )
+    return out
+
+
+def decode(controller: DraftController, accepted: dict[str, list[int]], cost: CostModel, prefill, lm_head) -> float:
+    """Modeled ms of one request decoded by `controller` along its replayed answer, the prefill as a plain step."""
+    c = controller.for_request()
+    c.use_cost_model(cost)
+    c.start(prefill, lm_head, 0.0)
+    n = len(next(iter(accepted.values())))
+    anchor, ms = 0, cost.round_ms(1)
+    while anchor < n:
+        width = min(c.width(), n - anchor + 1)
+        if width <= 1:
+            verified, taken = 0, 0
+        else:
+            verified = width - 1
+            taken = min(accepted[str(width)][anchor] if str(width) in accepted else 0, verified)
+        ms += cost.modeled_round_ms(width, verified)
+        c.observe(verified, taken)
+        anchor += taken + 1
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--responses-dir", type=Path, default=Path("runs/heldout-responses"))
+    parser.add_argument("--out", type=Path, default=Path("runs/width-choice"))
+    parser.add_argument("--tables", nargs="+", default=["../shared/calibrations/*.json", "docs/calibrations/*.json"])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_default_target(dtype=torch.float32)
+    drafter = resolve_drafter(None)
+    policy = resolve_policy("default")
+    widths = [b for b in policy.candidates if b > 1]
+    acceptance = replay(args, target, tokenizer, drafter, widths)
+    states = prefills(args, target, policy)
+    lm_head = target.get_output_embeddings()
+    tables = {Path(p).stem: CostModel.load(p) for pattern in args.tables for p in sorted(glob.glob(pattern))}
+    methods = {
+        "default": SpeculationGuard(PolicyBlockSize(policy), timing="modeled"),
+        "default, uncorrected": SpeculationGuard(PolicyBlockSize(policy, correct_width=False), timing="modeled"),
+        "policy": PolicyBlockSize(policy),
+        "policy, uncorrected": PolicyBlockSize(policy, correct_width=False),
+        **{f"b={b}": DraftController(b) for b in widths},
+    }
+    results = {}
+    for table_name, cost in tables.items():
+        for dataset in args.datasets:
+            rows = acceptance[dataset]
+            tokens = {pid: len(next(iter(acc.values()))) + 1 for pid, acc in rows.items()}
+            plain = {pid: n * cost.round_ms(1) for pid, n in tokens.items()}
+            cell = {}
+            for name, controller in methods.items():
+                ms = {pid: decode(controller, acc, cost, states[pid], lm_head) for pid, acc in rows.items()}
+                cell[name] = {
+                    "pooled_speedup": sum(plain.values()) / sum(ms.values()),
+                    "median_speedup": statistics.median(plain[p] / ms[p] for p in ms),
+                    "min_speedup": min(plain[p] / ms[p] for p in ms),
+                }
+            best = max((n for n in cell if n.startswith("b=")), key=lambda n: cell[n]["pooled_speedup"])
+            cell["best fixed"] = {"name": best, **cell[best]}
+            results.setdefault(table_name, {})[dataset] = {"prompts": len(rows), "methods": cell}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        "| cost table | set | prompts | plain | best fixed | default | default, uncorrected | default / best fixed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for table_name, per_set in results.items():
+        for dataset, cell in per_set.items():
+            m = cell["methods"]
+            best = m["best fixed"]
+            lines.append(
+                f"| {table_name} | {dataset} | {cell['prompts']} | 1.00x "
+                f"| {best['name']} {best['pooled_speedup']:.2f}x "
+                f"| {m['default']['pooled_speedup']:.2f}x (min {m['default']['min_speedup']:.2f}x) "
+                f"| {m['default, uncorrected']['pooled_speedup']:.2f}x "
+                f"| {m['default']['pooled_speedup'] / best['pooled_speedup']:.3f} |"
+            )
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
