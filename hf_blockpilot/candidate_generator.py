@@ -409,10 +409,11 @@ def prepare_controller(
 
 def use_call_kernels(
     target: PreTrainedModel, controller: DraftController, attention_mask: torch.Tensor | None, rows: int
-) -> Callable[[], None]:
-    """Switch on the verify kernels one call decodes with (`use_verify_kernels`): its calibrated kernel rows, the
-    exact path where verifies need one; a batch verifies with the stock kernels, as its batch axis was timed (the
-    kernel rows are batch 1's). Returns the function that undoes it."""
+) -> tuple[PreTrainedModel, Callable[[], None]]:
+    """The verify kernels one call decodes with (`use_verify_kernels`): its calibrated kernel rows, the exact path
+    where verifies need one; a batch verifies with the stock kernels, as its batch axis was timed (the kernel rows
+    are batch 1's). Returns the model the call runs (a per-call view of `target` where kernels are on: nothing
+    another thread can see) and what ends the call's kernel settings."""
     unpadded = attention_mask is None or bool(attention_mask.all())  # once per call
     return use_verify_kernels(target, controller.cost_model.kernel_rows, unpadded, rows)
 
@@ -440,13 +441,13 @@ def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftControll
     batch_size = _batch_size(args, kwargs)
     # bad input fails before any forward
     call = _Call(prepare_controller(self, drafter, draft_controller, batch_size), batch_size)
-    undo_kernels = use_call_kernels(self, call.controller, kwargs.get("attention_mask"), batch_size)
+    model, end_kernels = use_call_kernels(self, call.controller, kwargs.get("attention_mask"), batch_size)
     token = _current_call.set(call)
     try:
-        output = _stock_generate(self, *args, **kwargs)
+        output = _stock_generate(model, *args, **kwargs)
     finally:
         _current_call.reset(token)
-        undo_kernels()
+        end_kernels()
     if isinstance(output, ModelOutput):  # return_dict_in_generate=True: this call's statistics travel with it
         output.speculation_stats = call.stats
     return output

@@ -26,6 +26,8 @@ by hand.
 from __future__ import annotations
 
 import contextvars
+import copy
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -468,40 +470,55 @@ def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_R
     return undo
 
 
+def call_view(model: nn.Module) -> nn.Module:
+    """A view of `model` for one call: every module shallow-copied, its tables (parameters, buffers, hooks)
+    copied but not what they hold (no tensor is copied), and the config the modules read copied, so kernels
+    switched on in the view (a linear's `forward`, the attention implementation) and anything Transformers
+    attaches to it during the call (output-capturing hooks) are that call's own: another thread or call using
+    `model` never sees them."""
+    config = getattr(model, "config", None)
+    own = copy.copy(config)
+
+    def view_of(module: nn.Module) -> nn.Module:
+        view = copy.copy(module)
+        for name, value in view.__dict__.items():
+            if type(value) in (dict, OrderedDict, set):
+                view.__dict__[name] = copy.copy(value)
+        view._modules = {name: None if child is None else view_of(child) for name, child in module._modules.items()}
+        if config is not None and getattr(module, "config", None) is config:
+            view.config = own
+        return view
+
+    return view_of(model)
+
+
 def use_verify_kernels(
     target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True, batch_size: int = 1
-) -> Callable[[], None]:
+) -> tuple[nn.Module, Callable[[], None]]:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
     same): the CPU verify kernels for `kernel_rows` (only where this machine's calibration found them both
     exact and faster; a single request); else, on CPU (`needs_exact_verify`), the exact path: for an `unpadded`
     single request `one_token_exact_attention` and row-exact linears in the forwards marked by `set_verifying`,
     for a batch `slotwise_exact_attention` with `use_row_exact_linears`, so greedy output equals plain decoding
-    bit for bit; else the stock kernels. Returns what switches back."""
+    bit for bit; else the stock kernels. Returns the model to run the call with (`target`, or a `call_view` of it
+    with the kernels switched on, never `target` itself changed) and what ends the call's kernel settings."""
     if batch_size > 1:
         if not needs_exact_verify(target):
-            return lambda: None
-        undo_attention = _switch_sdpa([target], SLOTWISE_EXACT_ATTENTION)
-        undo_linears = use_row_exact_linears(target, batch_size)
-
-        def undo_batch() -> None:
-            undo_linears()
-            undo_attention()
-
-        return undo_batch
+            return target, lambda: None
+        view = call_view(target)
+        _switch_sdpa([view], SLOTWISE_EXACT_ATTENTION)
+        use_row_exact_linears(view, batch_size)
+        return view, lambda: None
     if kernel_rows:
-        return use_cpu_verify_kernels(target, rows=kernel_rows)
+        view = call_view(target)
+        return view, use_cpu_verify_kernels(view, rows=kernel_rows)  # resets the rows it serves in this context
     if not (unpadded and needs_exact_verify(target)):
-        return lambda: None
-    undo_attention = use_one_token_exact_attention(target)
-    undo_linears = use_row_exact_linears(target, step_rows=1)
+        return target, lambda: None
+    view = call_view(target)
+    use_one_token_exact_attention(view)
+    use_row_exact_linears(view, step_rows=1)
     token = _verify_forwards.set(VerifyForwards())
-
-    def undo() -> None:
-        _verify_forwards.reset(token)
-        undo_linears()
-        undo_attention()
-
-    return undo
+    return view, lambda: _verify_forwards.reset(token)
 
 
 @contextmanager

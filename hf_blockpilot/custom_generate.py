@@ -43,10 +43,10 @@ def generate(
         )
     rows = input_ids.shape[0]
     controller = prepare_controller(model, drafter, draft_controller, rows)
-    undo_kernels = use_call_kernels(model, controller, model_kwargs.get("attention_mask"), rows)
+    view, end_kernels = use_call_kernels(model, controller, model_kwargs.get("attention_mask"), rows)
     try:
         decoder = batched_decoder(
-            model,
+            view,
             drafter,
             controller,
             input_ids,
@@ -59,7 +59,7 @@ def generate(
         )
         sequences = decoder.run()
     finally:
-        undo_kernels()
+        end_kernels()
     if not generation_config.return_dict_in_generate:
         return sequences
     output = GenerateDecoderOnlyOutput(sequences=sequences)

@@ -261,11 +261,11 @@ def probe_exact_verify(
     plain_cache = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     cache.crop(-max(widths))
     inexact = []
-    undo = use_verify_kernels(target, kernel_rows)
+    model, undo = use_verify_kernels(target, kernel_rows)
     try:
         for n in widths:
             with verifying():
-                logits = target(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
+                logits = model(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
             same_cache = all(
                 torch.equal(layer.keys, keys[..., : context_tokens + n, :])
                 and torch.equal(layer.values, values[..., : context_tokens + n, :])
@@ -307,21 +307,19 @@ def calibrate(
     if with_kernels and kernels is None:
         with_kernels = [n for n in with_kernels if n not in probe_exact_verify(target, widths, with_kernels)]
     verify, others = _timed_forwards(target, drafter, widths, context_tokens)
-    stock_phase = {("stock", n): verify(n) for n in widths} | others
-    calls = (repeats + 1) * (len(stock_phase) + len(with_kernels))
+    calls = (repeats + 1) * (len(widths) + len(others) + len(with_kernels))
     name = describe_device(device)["name"]
     with tqdm(
         total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False, mininterval=1.0
     ) as bar:
         # each phase verifies as `generate` would with those kernel rows (`use_verify_kernels`); switching
         # takes milliseconds, kept out of the timings
-        phases = [(stock_phase, [])] + (
-            [({("kernels", n): verify(n) for n in with_kernels}, with_kernels)] if with_kernels else []
-        )
+        phases = [("stock", widths, [])] + ([("kernels", with_kernels, with_kernels)] if with_kernels else [])
         ms: dict[Any, float] = {}
-        for fns, rows in phases:
-            undo = use_verify_kernels(target, rows)
+        for phase, counts, rows in phases:
+            model, undo = use_verify_kernels(target, rows)
             try:
+                fns = {(phase, n): verify(n, model) for n in counts} | (others if phase == "stock" else {})
                 ms |= interleaved_median_ms(fns, repeats, device, bar)
             finally:
                 undo()
@@ -359,8 +357,10 @@ def calibrate_batch(
     widths = sorted(set(widths) | {1})
     verify, others = _timed_forwards(target, drafter, widths, context_tokens, batch_size)
 
+    model, undo = use_verify_kernels(target, [], batch_size=batch_size)
+
     def as_batched(n: int) -> Callable[[], None]:  # verified as a batched `generate` verifies (exact where needed)
-        run = verify(n)
+        run = verify(n, model)
 
         def batched() -> None:
             with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):
@@ -370,7 +370,6 @@ def calibrate_batch(
 
     fns = {("target", n): as_batched(n) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
     name = describe_device(next(target.parameters()).device)["name"]
-    undo = use_verify_kernels(target, [], batch_size=batch_size)
     try:
         with tqdm(
             total=(repeats + 1) * len(fns),
@@ -387,7 +386,7 @@ def calibrate_batch(
 
 def _timed_forwards(
     target: PreTrainedModel, drafter: nn.Module, widths: list[int], context_tokens: int, batch_size: int = 1
-) -> tuple[Callable[[int], Callable[[], None]], dict[Any, Callable[[], None]]]:
+) -> tuple[Callable[[int, nn.Module], Callable[[], None]], dict[Any, Callable[[], None]]]:
     """What `calibrate` times: a maker of target forwards over n tokens a row after a cached context, and the
     drafter per width and the sampling work (one row processed, one draw), over `batch_size` rows."""
     device = target.device
@@ -401,12 +400,13 @@ def _timed_forwards(
     head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
     embed = target.get_input_embeddings()
 
-    def verify(n: int) -> Callable[[], None]:
+    def verify(n: int, model: nn.Module) -> Callable[[], None]:
+        """A forward of `model` (the target, or the view of it a call verifies with) over n tokens."""
         block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
 
         def run() -> None:
             with verifying():  # as generate's verify forwards (the row-exact linears split those only)
-                target(block, **with_prefix, output_hidden_states=True)
+                model(block, **with_prefix, output_hidden_states=True)
             prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
 
         return run

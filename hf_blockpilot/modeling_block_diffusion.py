@@ -10,7 +10,9 @@ no embedding and no LM head: it borrows the target's.
 
 from __future__ import annotations
 
+import contextvars
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -298,13 +300,20 @@ class BlockDiffusionPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
+#: Per thread (context): drafter -> the statistics of its latest `generate` call there (`last_stats`).
+_last_stats: contextvars.ContextVar[weakref.WeakKeyDictionary | None] = contextvars.ContextVar(
+    "hf_blockpilot_last_stats", default=None
+)
+
+
 class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
     """DFlash block-diffusion drafter, used as `target.generate(..., assistant_model=drafter)`.
 
     Loads z-lab DFlash and DFlash 2 checkpoints unchanged (`from_pretrained("z-lab/Qwen3-4B-DFlash-b16")`) and
     saves in the same layout. `block_size` (settable, any int >= 2) is the block drafted per round when no policy is
     attached; `prompt_lookup` (settable, default off) lets rounds whose last tokens occurred earlier copy their
-    continuation instead of drafting; `last_stats` holds the statistics of the latest `generate` call.
+    continuation instead of drafting; `last_stats` holds the statistics of this thread's latest `generate` call
+    with it (each call's own travel with its output: `output.speculation_stats`).
     """
 
     def __init__(self, config: BlockDiffusionConfig):
@@ -327,10 +336,21 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         self._policy = None
         self._prompt_lookup = False
         self._head_cache: tuple[tuple | None, torch.Tensor, torch.Tensor | None] | None = None
-        self.last_stats = None
         self.post_init()
 
     # ----------------------------------------------------------------------------------------- properties
+    @property
+    def last_stats(self) -> Any:
+        """The statistics of this thread's latest `generate` call with this drafter (`None` before one): a
+        convenience; another thread's calls never change it."""
+        return (_last_stats.get() or {}).get(self)
+
+    @last_stats.setter
+    def last_stats(self, stats: Any) -> None:
+        latest = weakref.WeakKeyDictionary(_last_stats.get() or {})
+        latest[self] = stats
+        _last_stats.set(latest)
+
     @property
     def block_size(self) -> int:
         """Block size drafted per round when no policy is attached (anchor slot included)."""

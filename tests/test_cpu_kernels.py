@@ -152,17 +152,19 @@ def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtyp
         target(prompt, **{argument: steps_cache})
         target(prompt, **{argument: block_cache})
         steps = torch.cat([target(block[:, i : i + 1], **{argument: steps_cache}).logits for i in range(6)], 1)
-        undo = cpu_kernels.use_verify_kernels(target, [])
+        model, undo = cpu_kernels.use_verify_kernels(target, [])
         try:
-            assert target.config._attn_implementation == cpu_kernels.ONE_TOKEN_EXACT_ATTENTION
+            assert model.config._attn_implementation == cpu_kernels.ONE_TOKEN_EXACT_ATTENTION
+            assert any("forward" in module.__dict__ for module in model.modules())
+            # the call's own view: the shared model is untouched while it runs
+            assert target.config._attn_implementation == "sdpa"
+            assert not any("forward" in module.__dict__ for module in target.modules())
             with cpu_kernels.verifying():
-                verified = target(block, **{argument: block_cache}).logits
-            prefill = target(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
+                verified = model(block, **{argument: block_cache}).logits
+            prefill = model(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
         finally:
             undo()
     assert torch.equal(verified, steps)
-    assert target.config._attn_implementation == "sdpa"
-    assert not any("forward" in module.__dict__ for module in target.modules())  # undone
     with torch.no_grad():
         assert torch.equal(prefill, target(prompt).logits)
 
@@ -249,3 +251,58 @@ def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypa
         plain = target.generate(prompt, **kwargs)
         out = target.generate(prompt, assistant_model=drafter, draft_controller=DraftController(5), **kwargs)
         assert torch.equal(out, plain), case
+
+
+def test_a_calls_kernels_are_its_own_while_another_thread_decodes_plain_on_the_same_model():
+    """Two threads share one model object: one decodes plain, one speculatively with every CPU kernel on (the
+    skinny linears and grouped attention for 2..8 rows, as a calibration that found them exact would switch on),
+    50 times each. Each output equals its single-thread output every time, and the plain thread never sees the
+    shared model changed: the kernels live in the speculative call's own view of the model."""
+    import threading
+
+    from hf_blockpilot import AdaptiveVerify, CostModel
+
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=7)
+    drafter = make_drafter(target, block_size=6, seed=7, scale=4.0)
+    kernels = CostModel(target_ms={1: 1.0, 8: 1.0}, drafter_ms={8: 0.1}, kernel_rows=list(range(2, 9)))
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(7))
+
+    def plain() -> torch.Tensor:
+        return target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+
+    def speculative() -> torch.Tensor:
+        controller = AdaptiveVerify(6, cost_model=kernels)
+        return target.generate(
+            prompt,
+            max_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+            assistant_model=drafter,
+            draft_controller=controller,
+        )
+
+    hooks = sum(len(module._forward_hooks) for module in target.modules())
+    expected = {"plain": plain(), "speculative": speculative()}
+    problems: list[str] = []
+
+    def run(name: str, decode: Callable[[], torch.Tensor]) -> None:
+        for i in range(50):
+            if not torch.equal(decode(), expected[name]):
+                problems.append(f"{name} output {i} differs")
+            if name == "plain" and (
+                target.config._attn_implementation != "sdpa"
+                or any("forward" in module.__dict__ for module in target.modules())
+                or drafter.last_stats is not None  # per thread: the other thread's calls never show here
+            ):
+                problems.append(f"the plain thread saw the shared model changed ({i})")
+            if name == "speculative" and drafter.last_stats.new_tokens != expected[name].shape[1] - prompt.shape[1]:
+                problems.append(f"the speculative thread's stats are not its call's ({i})")
+
+    threads = [threading.Thread(target=run, args=item) for item in (("plain", plain), ("speculative", speculative))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert problems == []
+    # what Transformers attaches during a call (the hooks that capture the drafter's hidden states) stayed in it
+    assert sum(len(module._forward_hooks) for module in target.modules()) == hooks

@@ -32,13 +32,18 @@ BONUS_STYLE = "text-decoration: underline; font-weight: 600"
 
 
 class RoundStreamer(BaseStreamer):
-    """Receives one `put` per verify round (the tokens that round committed) and queues them."""
+    """Receives one `put` per verify round (the tokens that round committed) and queues them; `stats` is the
+    request's statistics as they fill in (`drafter.last_stats`, read in the decoding thread: it is per thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drafter: BlockDiffusionDrafter | None = None) -> None:
         self.rounds: queue.Queue = queue.Queue()
+        self.drafter = drafter
+        self.stats: SpeculationStats | None = None
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
+        if self.drafter is not None:
+            self.stats = self.drafter.last_stats
         if not self._prompt_seen:  # generate() first puts the prompt
             self._prompt_seen = True
             return
@@ -142,10 +147,9 @@ def _compare_stream(
     thread.join()
     plain_seconds = time.perf_counter() - start
 
-    rounds_streamer = RoundStreamer()
+    rounds_streamer = RoundStreamer(drafter)
     rounds: list[list[int]] = []
     start = time.perf_counter()
-    drafter.last_stats = None
     thread = _in_thread(
         target.generate,
         {},
@@ -158,10 +162,10 @@ def _compare_stream(
     while (tokens := rounds_streamer.rounds.get()) is not None:
         rounds.append(tokens)
         # the request's statistics fill in as it runs (the generator updates them in place)
-        yield plain_text, rounds_html(tokenizer, rounds, drafter.last_stats), "BlockPilot running…", probs
+        yield plain_text, rounds_html(tokenizer, rounds, rounds_streamer.stats), "BlockPilot running…", probs
     thread.join()
     seconds = time.perf_counter() - start
-    stats = drafter.last_stats
+    stats = drafter.last_stats = rounds_streamer.stats  # this thread's latest call too: it ran on its behalf
     plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
     tps = stats.new_tokens / seconds
     probs = policy_scores(stats.policy_probs, getattr(drafter.policy, "weighs_costs", False))
