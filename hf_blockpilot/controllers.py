@@ -84,7 +84,7 @@ class DraftController:
     name = "fixed"
     reads_confidence = False  # whether `num_to_verify` needs per-slot confidences (a softmax per round)
     correct_width = False  # whether a τ policy's width follows the acceptance the request's rounds show
-    prior_trials = 4.0  # what a τ policy's prediction weighs against observed slots (`TauEvidence`)
+    prior_trials = 2.0  # what a τ policy's prediction weighs against observed slots (`TauEvidence`)
 
     def __init__(self, block_size: int = 16):
         self.block_size = check_block_size(block_size)
@@ -185,7 +185,7 @@ class PolicyBlockSize(DraftController):
 
     name = "policy"
 
-    def __init__(self, policy: BlockSizePolicy, correct_width: bool = True, prior_trials: float = 4.0):
+    def __init__(self, policy: BlockSizePolicy, correct_width: bool = True, prior_trials: float = 2.0):
         if not isinstance(policy, BlockSizePolicy):
             raise TypeError(f"expected a block-size policy (e.g. BlockPilotPolicy), got {type(policy).__name__}")
         if prior_trials <= 0:
@@ -360,7 +360,7 @@ class TauEvidence:
     policy's `drafting_margin`."""
 
     predicted: dict[int, float]
-    prior_trials: float = 4.0
+    prior_trials: float = 2.0
     margin: float = MIN_PREDICTED_GAIN  # the predicted gain over plain steps the policy needs before drafting
     prior_acceptance: float = field(init=False)
     successes: float = field(init=False)
@@ -598,11 +598,14 @@ class SpeculationGuard(DelegatingController):
     geometric) decodes plain. Per round, the guard compares committed tokens per second over recent drafting
     rounds (decayed by `decay`, judged after `probe_rounds` of them, from the first by default) with a plain
     step's rate, and below it pauses drafting for `first_pause` plain rounds, doubling (up to `max_pause`) while
-    probes keep losing. The decayed sums start from `prior_rounds` rounds of the widest block at the prior
-    acceptance, timed by the cost model: the guard judges from the first round without trusting it alone (a
-    first round also takes in the whole prompt), and a request drafting at τ near 1 falls back within a few.
-    A probe after a pause is judged with the evidence so far (the sums that paused it, decayed on), so a probe
-    that loses again costs one round, and one that wins clearly resumes drafting.
+    probes keep losing. Where the inner controller keeps evidence of the request's acceptance (a τ policy's,
+    `tau_curve`), the tokens committed are judged by its corrected τ at the widths drafted rather than by the
+    rounds' own counts: one unlucky round does not pause a request whose acceptance pays.
+    The decayed sums start from `prior_rounds` rounds of the first drafting width at the prior acceptance, timed
+    by the cost model: the guard judges from the first round without trusting it alone (a first round also takes
+    in the whole prompt), and a request drafting at τ near 1 falls back within a few. A probe after a pause is
+    judged with the evidence so far (the sums that paused it, decayed on), so a probe that loses again costs one
+    round, and one that wins clearly resumes drafting.
     `timing="measured"` (default) times each round by the wall clock, the plain steps too once a pause has
     run them (before that: the cost model's plain step), so the overheads no cost model sees count;
     `"modeled"` uses the cost model alone (deterministic). In a batch one guard judges the whole batch (its
@@ -653,7 +656,7 @@ class SpeculationGuard(DelegatingController):
         self.paused_for = 0  # plain rounds left in the current pause
         self.next_pause = self.first_pause
         self.judged = 0  # drafting rounds since the last (re)start of drafting
-        self.committed = self.seconds = 0.0  # decayed sums over those rounds
+        self.committed = self.seconds = self.rounds = 0.0  # decayed sums over those rounds
         self.plain_seconds: float | None = None  # a measured plain step (decayed mean), once a pause ran some
         self.last_width = 1
         self.last_time = 0.0
@@ -675,9 +678,10 @@ class SpeculationGuard(DelegatingController):
         """Drafting starts: the decayed sums hold only the prior (`prior_rounds` rounds of `width` slots, every
         draft verified, at the prior acceptance, on the cost model's clock)."""
         self.judged = 0
-        self.committed = self.seconds = 0.0
+        self.committed = self.seconds = self.rounds = 0.0
         if self.cost_model is None or width <= 1:
             return
+        self.rounds = self.prior_rounds
         self.committed = self.prior_rounds * geometric_tau(self.prior_acceptance, width)
         self.seconds = self.prior_rounds * self.cost_model.round_ms(width, self.temperature) / 1000
 
@@ -715,14 +719,25 @@ class SpeculationGuard(DelegatingController):
             elapsed = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature) / 1000
         self.committed = self.decay * self.committed + accepted + 1
         self.seconds = self.decay * self.seconds + elapsed
+        self.rounds = self.decay * self.rounds + 1
         self.judged += 1
         if self.judged < self.probe_rounds:
             return
-        if self.committed * self._plain_step_seconds() < self.seconds:  # below break-even: pause, then probe
+        if self._committed() * self._plain_step_seconds() < self.seconds:  # below break-even: pause, then probe
             self.paused_for, self.next_pause = self.next_pause, min(2 * self.next_pause, self.max_pause)
             self.judged = 0  # the probe is judged with the evidence so far, not the prior: one losing round ends it
         elif self.judged == self.probe_rounds:  # a probe (or the start) that pays: pauses start short again
             self.next_pause = self.first_pause
+
+    def _committed(self) -> float:
+        """The tokens the recent drafting rounds are judged to have committed (decayed): where the inner controller
+        keeps evidence of the request's acceptance (`tau_curve`: a τ policy's prediction corrected by every round so
+        far), its expected τ at the width drafted, per round; else the rounds' own counts, which a few unlucky
+        rounds can sink."""
+        curve = self.inner.tau_curve()
+        if curve is None or self.last_width not in curve:
+            return self.committed
+        return curve[self.last_width] * self.rounds
 
     def _time_plain_step(self, elapsed: float) -> None:
         if self.timing == "measured":

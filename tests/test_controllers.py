@@ -400,3 +400,26 @@ def test_a_policy_width_follows_the_requests_acceptance():
     assert plain.width() == 1 and plain.max_width() == 1  # plain stays plain: drafting is the guard's call
     with pytest.raises(ValueError, match="prior_trials must be > 0"):
         PolicyBlockSize(_StubTauPolicy(2), prior_trials=0)
+
+
+def test_the_guard_judges_a_tau_policy_by_its_corrected_evidence():
+    """One unlucky round pauses a guard that counts the rounds' tokens, not one whose τ policy's evidence (the
+    prediction corrected by every round) says drafting pays; a run of rejected rounds pauses both."""
+    cost = _cost({1: 10.0, 2: 11.0, 4: 12.0, 8: 15.0}, drafter_ms=1.0)
+
+    def guarded(inner: DraftController) -> SpeculationGuard:
+        guard = SpeculationGuard(inner, timing="modeled").for_request()
+        guard.use_cost_model(cost)
+        guard.start(None, None, 0.0)
+        return guard
+
+    counting, judging = guarded(DraftController(8)), guarded(PolicyBlockSize(_StubTauPolicy(8)))
+    for guard in (counting, judging):
+        assert guard.width() == 8
+        guard.observe(7, 0)
+    assert counting.width() == 1 and judging.width() > 1
+    widths = []
+    for _ in range(12):
+        widths.append(judging.width())
+        judging.observe(widths[-1] - 1 if widths[-1] > 1 else 0, 0)
+    assert widths[0] > 1 and 1 in widths, widths
