@@ -84,9 +84,10 @@ def check_batched_call(
     streamer: Any,
     model_kwargs: dict[str, Any],
     mode: str = "batch size > 1",
+    advice: str = "Call generate() per prompt (batch size 1), or without assistant_model.",
 ) -> None:
     """Raise a ValueError naming the limit for what batched speculative decoding (`mode`: the path that runs it)
-    does not serve."""
+    does not serve, ending with `advice` (what the caller's path can do instead)."""
     problems = []
     if streamer is not None:
         problems.append("a streamer (streamers take one row: stream with batch size 1)")
@@ -112,13 +113,7 @@ def check_batched_call(
         problems.append("a drafter with causal or sliding-window layers (z-lab's DFlash drafters attend unmasked)")
     if problems:
         raise ValueError(
-            f"block-diffusion speculative decoding with {mode} does not support "
-            + "; ".join(problems)
-            + (
-                ". Call generate() per prompt (batch size 1), or without assistant_model."
-                if mode == "batch size > 1"
-                else ". Use generate(assistant_model=drafter) after `import hf_blockpilot` for them."
-            )
+            f"block-diffusion speculative decoding with {mode} does not support " + "; ".join(problems) + f". {advice}"
         )
 
 

@@ -567,12 +567,13 @@ def batched_decoder(
     stopping_criteria: Any,
     streamer: Any,
     kwargs: dict[str, Any],
-    mode: str = "batch size > 1",
+    route: tuple[str, str] | None = None,
 ) -> BatchedSpeculativeDecoder:
     """The decoder of one call's rows with its prepared `controller` (`prepare_controller`), after checking that
-    it serves the call (`mode` names the path in the error); `kwargs` are the loop's keyword arguments."""
+    it serves the call (`route`: the path's name and what its error advises, `check_batched_call`'s `mode` and
+    `advice`; default the batch path's); `kwargs` are the loop's keyword arguments."""
     model_kwargs = {k: v for k, v in kwargs.items() if k not in CALL_ARGUMENTS}
-    check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, mode)
+    check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, *(route or ()))
     batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
     # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
     guard, per_row = None, controller

@@ -55,7 +55,10 @@ def generate(
             stopping_criteria,
             None,
             model_kwargs,
-            "custom_generate=hf_blockpilot.generate",
+            (
+                "custom_generate=hf_blockpilot.generate",
+                "Use generate(assistant_model=drafter) after `import hf_blockpilot` for them.",
+            ),
         )
         sequences = decoder.run()
     finally:
