@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import statistics
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +37,7 @@ def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
     """{dataset: {prompt id: {"width": [accepted drafts at each answer position]}}}, cached in --out."""
     cache = args.out / "acceptance.json"
     done = json.loads(cache.read_text()) if cache.exists() else {}
+    trainers: dict[int, DrafterTrainer] = {}
     for dataset in args.datasets:
         prompts = load_prompts(dataset, args.limit)
         data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
@@ -45,14 +47,17 @@ def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
         for seq in (s for s in read_sequences(data) if s.id in wanted and s.id not in table):
             hidden = target_hidden_states(target, [seq], drafter.target_layer_ids, torch.float32)[0]
             table[seq.id] = {}
-            for b in widths:
+            stop = len(seq.input_ids) - 1
+            for b in widths if not trainers else []:  # the replay's scoring, built once per width
                 config = DrafterTrainingConfig(block_size=b, bf16=False, validation_fraction=0.0)
-                trainer = DrafterTrainer(drafter, target, [seq], None, args.out / "trainer", config)
-                drafter.eval()
-                stop = len(seq.input_ids) - 1
+                trainers[b] = DrafterTrainer(drafter, target, [seq], None, args.out / "trainer", config)
+            drafter.eval()
+            begin = time.perf_counter()
+            for b, trainer in trainers.items():
                 table[seq.id][str(b)] = trainer.draft_acceptance(seq, hidden, 64, seq.response_start, stop)
             cache.write_text(json.dumps(done))
-            print(f"replayed {dataset} {seq.id} ({len(table)}/{len(wanted)})", flush=True)
+            seconds = time.perf_counter() - begin
+            print(f"replayed {dataset} {seq.id} ({len(table)}/{len(wanted)}, {seconds:.1f} s)", flush=True)
     return done
 
 
