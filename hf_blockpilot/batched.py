@@ -23,13 +23,13 @@ every row's outcome back (controllers that read confidences take one more, befor
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
@@ -76,6 +76,44 @@ HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, Max
 KNOWN_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "position_ids", "logits_to_keep"}
 
 
+def request_temperature(generation_config: GenerationConfig) -> float:
+    """The call's sampling temperature (0: greedy); a ValueError unless a sampling one is finite and > 0."""
+    if not generation_config.do_sample:
+        return 0.0
+    temperature = float(generation_config.temperature or 1.0)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 for sampling, got {generation_config.temperature}")
+    return temperature
+
+
+def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """(rows, k, V) logits -> (rows, k) tokens: argmax, or one draw from softmax(logits) per position at T > 0; a
+    non-finite distribution is a clear error (checked only when the draw fails: no host sync otherwise)."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.flatten(0, 1), dim=-1)
+    try:
+        return torch.multinomial(probs, num_samples=1).view(logits.shape[:2])
+    except RuntimeError as error:
+        if bool(torch.isfinite(probs).all()):
+            raise
+        raise ValueError(
+            "the draft distribution is not finite (NaN/inf logits): the drafter's weights are damaged or it "
+            "overflowed in this dtype; reload the drafter, or run it in float32"
+        ) from error
+
+
+def check_prompt_not_cached(cache: Any) -> None:
+    """A ValueError if the target's cache passed to `generate` already holds tokens: block-diffusion drafting
+    reads the target's hidden states of the whole prompt."""
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise ValueError(
+            "block-diffusion drafting reads the target's hidden states of the whole prompt, so the prompt cannot "
+            f"come pre-cached ({cache.get_seq_length()} tokens in the cache passed to generate): pass the full "
+            "prompt without `cache` / `past_key_values`."
+        )
+
+
 def check_batched_call(
     target: PreTrainedModel,
     drafter: BlockDiffusionDrafter,
@@ -107,6 +145,7 @@ def check_batched_call(
     if custom:
         problems.append(f"custom stopping criteria {custom} (EOS, max length, stop strings and max_time are served)")
     cache = _target_cache(target, model_kwargs)
+    check_prompt_not_cached(cache)
     if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
         problems.append("a target with sliding-window attention layers (their cache drops entries by slot)")
     if drafter.config.has_masked_layers():
@@ -235,7 +274,7 @@ class BatchedSpeculativeDecoder:
         self.device = input_ids.device
         self.config = generation_config
         self.do_sample = bool(generation_config.do_sample)
-        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
+        self.temperature = request_temperature(generation_config)
         self.processors = logits_processor
         self.row_free_processors = all(isinstance(p, ROW_FREE_PROCESSORS) for p in logits_processor)
         self.eos = getattr(generation_config, "_eos_token_tensor", None)
@@ -429,8 +468,8 @@ class BatchedSpeculativeDecoder:
         for row in self.rows:
             row.stats.drafter_forwards += 1
         self.draft_hidden = out
-        logits = F.linear(out.to(self.head_weight.device, self.head_weight.dtype), self.head_weight, self.head_bias)
-        return self.drafter.full_vocabulary(self.drafter.finish_logits(logits.float()), self.vocab_size)
+        logits = self.drafter.head_logits(out, self.head_weight, self.head_bias)
+        return self.drafter.full_vocabulary(logits, self.vocab_size)
 
     def _extend_draft_context(self) -> None:
         """Rounds drafted by prompt lookup alone: the drafter only takes in the new context."""
@@ -524,11 +563,7 @@ class BatchedSpeculativeDecoder:
         return out
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """(rows, k, V) -> (rows, k): argmax, or one draw from softmax(logits) per position at T > 0."""
-        if not self.do_sample:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.flatten(0, 1), dim=-1)
-        return torch.multinomial(probs, num_samples=1).view(logits.shape[:2])
+        return pick_tokens(logits, self.do_sample)
 
     # -------------------------------------------------------------------------------------- bookkeeping
     def _keep_context(self, outputs: Any, kept: torch.Tensor, positions: torch.Tensor) -> None:

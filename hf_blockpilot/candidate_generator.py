@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -33,9 +32,15 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
 from ._compat import LOOP_CHECKS_CANDIDATES_FOR_STOP, SELECTION_KEEPS_POSITIONS
-from .batched import BatchedSpeculativeDecoder, check_batched_call
+from .batched import (
+    BatchedSpeculativeDecoder,
+    check_batched_call,
+    check_prompt_not_cached,
+    pick_tokens,
+    request_temperature,
+)
 from .controllers import DraftController, DraftedRound, SpeculationGuard, resolve_controller
-from .cpu_kernels import set_verifying, skinny_linear, use_verify_kernels
+from .cpu_kernels import set_verifying, use_verify_kernels
 from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
@@ -85,11 +90,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
-        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
-        if self.do_sample and not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(
-                f"temperature must be a finite number > 0 for sampling, got {generation_config.temperature}"
-            )
+        self.temperature = request_temperature(generation_config)
         self.target_head = target.get_output_embeddings()
         self.logits_processor = logits_processor
         self.eos_token_ids = getattr(generation_config, "_eos_token_tensor", None)
@@ -258,13 +259,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         ).last_hidden_state[:, 1:]
         self.stats.drafter_forwards += 1
         # the head may sit on another device than the drafter (a target spread over devices)
-        logits = skinny_linear(
-            hidden.to(self.head_weight.device, self.head_weight.dtype),
-            self.head_weight,
-            self.head_bias,
-            self.kernel_rows,
-        )
-        logits = self.drafter.finish_logits(logits.float())
+        logits = self.drafter.head_logits(hidden, self.head_weight, self.head_bias, self.kernel_rows)
         return self.drafter.full_vocabulary(logits, self.vocab_size), logits, hidden
 
     def _lookup_drafts(
@@ -298,19 +293,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         return ids[:, input_ids.shape[1] :], processed
 
     def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
-        """(1, k, V) logits -> (1, k) draft ids: samples from softmax(logits) at T>0, argmax otherwise."""
-        if not self.do_sample:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits[0], dim=-1)
-        try:
-            return torch.multinomial(probs, num_samples=1).transpose(0, 1)
-        except RuntimeError as error:  # checked only when it fails: no host sync on the happy path
-            if bool(torch.isfinite(probs).all()):
-                raise
-            raise ValueError(
-                "the drafter's draft distribution is not finite (NaN/inf logits): its weights are damaged or it "
-                "overflowed in this dtype; reload the drafter, or run it in float32"
-            ) from error
+        return pick_tokens(logits, self.do_sample)
 
     def _cut_before_stop(
         self, input_ids: torch.LongTensor, drafts: torch.LongTensor, logits: torch.Tensor
@@ -488,13 +471,7 @@ def _get_candidate_generator(
     assistant_tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> CandidateGenerator:
     if isinstance(assistant_model, BlockDiffusionDrafter):
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-            raise ValueError(
-                "block-diffusion drafting reads the target's hidden states of the whole prompt, so the prompt cannot "
-                f"come pre-cached ({cache.get_seq_length()} tokens in the cache passed to generate): pass the full "
-                "prompt without `cache` / `past_key_values`."
-            )
+        check_prompt_not_cached(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
         call = _current_call.get()
         generator = BlockDiffusionCandidateGenerator(
             drafter=assistant_model,

@@ -549,3 +549,29 @@ def test_the_hub_custom_generate_folder_decodes_like_plain(nothing_patched):
     assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="this custom_generate repo does not stream"):  # the folder's own code ran
         generate(target, ids, mask, 12, custom_generate=str(folder), trust_remote_code=True, streamer=BaseStreamer())
+
+
+def test_a_pre_cached_batch_or_a_non_finite_temperature_is_a_clear_error():
+    """The checks a single request gets, a batch gets too: one function each serves both paths."""
+    from transformers import DynamicCache
+
+    from hf_blockpilot._compat import cache_argument
+
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    drafter = make_drafter(target)
+    ids, mask = left_padded([[3, 4, 8], [5, 6, 7]])
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(ids[:, :2], attention_mask=mask[:, :2], **{cache_argument(target): cache})
+    with pytest.raises(ValueError, match=r"cannot come pre-cached \(2 tokens"):
+        generate(target, ids, mask, 4, assistant_model=drafter, **{cache_argument(target): cache})
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=True,
+            temperature=float("inf"),
+            pad_token_id=0,
+            assistant_model=drafter,
+        )
