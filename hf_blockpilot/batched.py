@@ -186,8 +186,8 @@ class RaggedLayer(DynamicLayer):
         grown[..., : stored.shape[-2], :] = stored
         return grown
 
-    def get_seq_length(self) -> int:
-        return self.plan.end
+    def get_seq_length(self) -> int:  # the keys a forward finds cached: the longest row's committed ones
+        return max(self.plan.host_lengths)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.keys, self.values = self.keys[indices], self.values[indices]
@@ -201,6 +201,7 @@ class RaggedCache:
     def __init__(self, prompt_mask: torch.Tensor, padded: bool):
         self.key_valid = prompt_mask  # (rows, prompt width): the prompt's padding is never attended to
         self.padded = padded  # whether any prompt of the call is padded (plain decoding then passes a mask)
+        self.single = prompt_mask.shape[0] == 1 and not padded  # one row: its mask is plain decoding's
         self.lengths = torch.full((prompt_mask.shape[0],), prompt_mask.shape[1], device=prompt_mask.device)
         self.host_lengths = [prompt_mask.shape[1]] * prompt_mask.shape[0]
         self.end = prompt_mask.shape[1]
@@ -216,10 +217,14 @@ class RaggedCache:
         return plan
 
     def prepare(self, slots: int) -> torch.Tensor:
-        """Plan a forward of `slots` slots a row; returns its (rows, 1, slots, end) boolean mask."""
+        """Plan a forward of `slots` slots a row; returns its (rows, 1, slots, end) boolean mask, or for a call of
+        one unpadded row the (1, end) mask of ones plain decoding passes (so its attention takes the path plain
+        decoding's does: a 4-D mask sends SDPA down another kernel, which rounds half precision differently)."""
         self.end = max(self.host_lengths) + slots
         offsets = torch.arange(slots, device=self.lengths.device)
         self.write_index = self.lengths[:, None] + offsets[None, :]
+        if self.single:
+            return self.lengths.new_ones(1, self.end)
         keys = torch.arange(self.end, device=self.lengths.device)
         mask = keys[None, None, :] <= self.write_index[:, :, None]
         prompt = self.key_valid.shape[1]

@@ -415,11 +415,13 @@ def _batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
 def _generate(self: GenerationMixin, *args: Any, draft_controller: DraftController | int | None = None, **kwargs: Any):
     drafter = kwargs.get("assistant_model")
     if not isinstance(drafter, BlockDiffusionDrafter):
-        if draft_controller is not None:
+        if draft_controller is not None and kwargs.get("custom_generate") is None:
             raise ValueError(
-                "draft_controller= steers block-diffusion drafting: "
-                "pass it with assistant_model=<BlockDiffusionDrafter>"
+                "draft_controller= steers block-diffusion drafting: pass it with "
+                "assistant_model=<BlockDiffusionDrafter> (or custom_generate=hf_blockpilot.generate, drafter=...)"
             )
+        if draft_controller is not None:  # the custom decoding loop's own keyword (hf_blockpilot.generate takes it)
+            kwargs["draft_controller"] = draft_controller
         return _stock_generate(self, *args, **kwargs)
     batch_size = _batch_size(args, kwargs)
     # bad input fails before any forward

@@ -132,3 +132,33 @@ def test_generate_with_prompt_lookup_uses_the_lookup_policy(default_pair, capsys
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["identical_to_plain"] is True and "lookup_rounds" in result
     assert result["block_size"] in resolve_policy("default", prompt_lookup=True).candidates
+
+
+def test_one_prompt_through_the_batched_loop_decodes_as_plain_in_bfloat16(default_pair):  # noqa: ARG001
+    """`custom_generate=hf_blockpilot.generate` runs the batched loop for one prompt too: its row must take the
+    attention mask plain decoding takes. A 4-D mask sent bfloat16 SDPA down another kernel, and this MT-Bench
+    answer left plain decoding's at token 25 (decoded plain throughout, so the drafts played no part)."""
+    import hf_blockpilot
+    from hf_blockpilot import CostModel, DraftController, SpeculationGuard
+    from hf_blockpilot.data import load_prompts
+    from hf_blockpilot.tools.loading import load_default_target
+
+    target, tokenizer = load_default_target(dtype=torch.bfloat16)
+    drafter = resolve_drafter(dtype=torch.bfloat16)
+    drafter.set_policy(resolve_policy("default"))
+    ids = chat_inputs(tokenizer, load_prompts("mtbench", 3)[2].prompt, target.device)
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    # costs where no draft can pay: the guard decodes the request plain, every step through the batched loop
+    plain_only = SpeculationGuard(DraftController(4), timing="modeled")
+    plain_only.use_cost_model(CostModel(target_ms={1: 10.0, 2: 40.0, 8: 160.0}, drafter_ms={2: 5.0, 8: 5.0}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as the machine runs it (the tests' one thread rounded both kernels alike)
+    try:
+        plain = target.generate(ids, **settings)
+        ours = target.generate(
+            ids, custom_generate=hf_blockpilot.generate, drafter=drafter, draft_controller=plain_only, **settings
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(ours, plain)
+    assert drafter.last_stats.rows[0].drafter_forwards == 0  # every step a plain one
