@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .costs import MIN_PREDICTED_GAIN, PRIOR_ACCEPTANCE, CostModel
+from .costs import MIN_PREDICTED_GAIN, PRIOR_ACCEPTANCE, CostModel, geometric_tau
 
 MAX_BLOCK_SIZE = 256  # the widest block a controller may draft: far past any DFlash drafter's training size
 
@@ -146,15 +146,6 @@ class DraftController:
         acceptance of the rounds so far (`None`: this controller predicts none)."""
         return None if self.evidence is None else self.evidence.current()
 
-    def correct_with(self, verified: int, accepted: int) -> None:
-        """Take a round's outcome into the request's evidence; where `correct_width`, a drafting request's width
-        becomes the fastest under the corrected τ and this device's costs (plain steps stay the guard's call)."""
-        if self.evidence is None:
-            return
-        self.evidence.observe(verified, accepted)
-        if self.correct_width and self.block_size > 1 and self.cost_model is not None:
-            self.block_size = fastest_width([self.evidence.current()], self.cost_model, self.temperature)[0]
-
     def width(self) -> int:
         """Slots to draft in the next round (anchor included; 1 = no drafting)."""
         return self.block_size
@@ -170,7 +161,14 @@ class DraftController:
         return drafted.num_drafts
 
     def observe(self, verified: int, accepted: int) -> None:
-        """The outcome of a round: drafts verified and accepted."""
+        """The outcome of a round: drafts verified and accepted. A request with `evidence` (a τ policy chose its
+        width) takes it in; where `correct_width`, a drafting request's width becomes the fastest under the
+        corrected τ and this device's costs (plain steps stay the guard's call)."""
+        if self.evidence is None:
+            return
+        self.evidence.observe(verified, accepted)
+        if self.correct_width and self.block_size > 1 and self.cost_model is not None:
+            self.block_size = fastest_width([self.evidence.current()], self.cost_model, self.temperature)[0]
 
     def describe(self) -> str:
         return f"{self.name}(b={self.block_size})"
@@ -203,9 +201,6 @@ class PolicyBlockSize(DraftController):
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         self.choose_with(self.policy, prefill_outputs, lm_head, temperature)
-
-    def observe(self, verified: int, accepted: int) -> None:
-        self.correct_with(verified, accepted)
 
     def describe(self) -> str:
         return "policy" if self.correct_width else "policy(uncorrected)"
@@ -343,12 +338,6 @@ def expected_committed(acceptance: torch.Tensor) -> torch.Tensor:
     return torch.cat([survival.new_ones(1), 1.0 + torch.cumsum(survival, dim=0)])
 
 
-def geometric_tau(acceptance: float, width: int) -> float:
-    """Expected tokens a round drafting `width` slots commits (every draft verified, bonus included) when each
-    draft is accepted with probability `acceptance` given the ones before it."""
-    return sum(acceptance**i for i in range(width))
-
-
 @dataclass
 class TauEvidence:
     """A request's predicted τ(b) per candidate width, corrected by the acceptance its own rounds show.
@@ -458,7 +447,6 @@ class AdaptiveVerify(DraftController):
         self.policy = policy
         self.acceptance = acceptance or getattr(policy, "acceptance_model", None) or EntropyBound()
         self.cost_model = cost_model
-        self.temperature = 0.0
         self._costs: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
@@ -485,9 +473,6 @@ class AdaptiveVerify(DraftController):
         costs = self._round_costs(drafted.num_drafts + 1, acceptance.device)
         rate = expected_committed(acceptance.to(costs.device)) / costs
         return int(rate.argmax())  # the round's one host sync for the decision
-
-    def observe(self, verified: int, accepted: int) -> None:
-        self.correct_with(verified, accepted)
 
     def _round_costs(self, width: int, device: torch.device) -> torch.Tensor:
         if width not in self._costs:

@@ -19,6 +19,12 @@ PRIOR_ACCEPTANCE = 0.5
 MIN_PREDICTED_GAIN = 0.05
 
 
+def geometric_tau(acceptance: float, width: int) -> float:
+    """Expected tokens a round drafting `width` slots commits (every draft verified, bonus included) when each
+    draft is accepted with probability `acceptance` given the ones before it."""
+    return sum(acceptance**i for i in range(width))
+
+
 @dataclass
 class CostModel:
     """Latency (ms) of speculative rounds: target forwards over n tokens, drafter forwards over b slots, and,
@@ -73,7 +79,7 @@ class CostModel:
     def tokens_per_ms(self, width: int, acceptance: float, temperature: float = 0.0) -> float:
         """Expected committed tokens per ms of a round drafting `width` slots, at the best verify count, when
         each draft is accepted with probability `acceptance` given the ones before it (width 1: a plain step)."""
-        committed = [1.0 + sum(acceptance**i for i in range(1, k + 1)) for k in range(width)]
+        committed = [geometric_tau(acceptance, k + 1) for k in range(width)]
         return max(c / max(self.modeled_round_ms(width, k, temperature), 1e-9) for k, c in enumerate(committed))
 
     def modeled_decode_ms(self, stats: SpeculationStats, temperature: float = 0.0) -> float:

@@ -37,9 +37,9 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
 from .cpu_kernels import (
+    DEFAULT_ROWS,
     remember_row_exact,
     row_exact_table,
-    skinny_linear,
     slot_key_lengths,
     use_verify_kernels,
     verifying,
@@ -427,7 +427,7 @@ def _timed_forwards(
                 cache=cache,
             ).last_hidden_state
             # contiguous, as generate hands it over (a strided bfloat16 input sends F.linear down a slow path)
-            skinny_linear(h[:, 1:].contiguous().to(head_weight.dtype), head_weight, head_bias).argmax(-1)
+            drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias, DEFAULT_ROWS).argmax(-1)
 
         return run
 
