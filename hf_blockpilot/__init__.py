@@ -8,7 +8,8 @@
     drafter.last_stats.tau
 
 Importing the package registers the drafter with `AutoConfig`/`AutoModel` and routes
-`generate(assistant_model=<BlockDiffusionDrafter>)` to the block-diffusion candidate generator.
+`generate(assistant_model=<BlockDiffusionDrafter>)` to `custom_generate=hf_blockpilot.generate` (one wrapper of the
+public `generate`; `hf_blockpilot.routing` says how to opt out).
 """
 
 import importlib
@@ -17,7 +18,6 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModel
 
-from .candidate_generator import install_generate_routing
 from .configuration_block_diffusion import BlockDiffusionConfig
 from .controllers import (
     AcceptanceEMA,
@@ -36,6 +36,7 @@ from .custom_generate import generate
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
+from .routing import install_generate_routing
 from .stats import SpeculationStats
 
 __version__ = "0.1.0.dev0"
@@ -73,7 +74,6 @@ _MOVED_NAMES = {
     "EntropyBound": "hf_blockpilot.controllers",
     "LastLogitsMLPPolicy": "hf_blockpilot.policy",
     "PrefillMLPPolicy": "hf_blockpilot.policy",
-    "BlockDiffusionCandidateGenerator": "hf_blockpilot.candidate_generator",
     "build_target_layer_ids": "hf_blockpilot.configuration_block_diffusion",
     "grouped_query_attention": "hf_blockpilot.cpu_kernels",
     "skinny_linear": "hf_blockpilot.cpu_kernels",

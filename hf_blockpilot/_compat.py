@@ -5,8 +5,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers import PreTrainedModel
 
 # Transformers 5.23 keeps `output_hidden_states=[indices]` at their usual positions (None elsewhere); 5.17
@@ -17,11 +15,6 @@ try:
     SELECTION_KEEPS_POSITIONS = True
 except ImportError:
     SELECTION_KEEPS_POSITIONS = False
-
-# Transformers 5.17 ends a round early when the *candidate* sequence meets a stopping criterion, even with no
-# candidates (its `_assisted_decoding` checks `is_done_candidate`; 5.18 dropped that check): a prompt that ends
-# in EOS would then stop generation at once.
-LOOP_CHECKS_CANDIDATES_FOR_STOP = Version(transformers.__version__).release < (5, 18)
 
 
 def runs_bf16_natively(device: torch.device | str) -> bool:

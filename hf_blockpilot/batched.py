@@ -70,7 +70,7 @@ ROW_FREE_PROCESSORS = (
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
 )
-#: Stopping criteria the loop applies itself, per row and per committed token.
+#: Stopping criteria the loop applies in its own way (any other is called per row and per committed token).
 HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
 #: Model inputs a batched call may carry besides `input_ids` (the loop builds masks and positions itself).
 KNOWN_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "position_ids", "logits_to_keep"}
@@ -121,39 +121,38 @@ def check_batched_call(
     stopping_criteria: StoppingCriteriaList,
     streamer: Any,
     model_kwargs: dict[str, Any],
-    mode: str = "batch size > 1",
-    advice: str = "Call generate() per prompt (batch size 1), or without assistant_model.",
+    single: bool,
 ) -> None:
-    """Raise a ValueError naming the limit for what batched speculative decoding (`mode`: the path that runs it)
-    does not serve, ending with `advice` (what the caller's path can do instead)."""
+    """Raise a ValueError naming the limit for what the loop does not serve: some things only for one unpadded
+    row (`single`), others not at all."""
     problems = []
-    if streamer is not None:
-        problems.append("a streamer (streamers take one row: stream with batch size 1)")
+    if (generation_config.num_beams or 1) > 1:
+        problems.append("beam search (num_beams > 1: use greedy search or sampling, or generate without a drafter)")
+    if streamer is not None and not single:
+        problems.append("a streamer for several rows (streamers take one row: stream with batch size 1)")
     wanted = [
         name
         for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
         if getattr(generation_config, name, False)
     ]
-    if wanted:
-        problems.append(f"{', '.join(wanted)} (only sequences and speculation_stats are returned for a batch)")
+    if wanted and not single:
+        problems.append(f"{', '.join(wanted)} for several rows (a batch returns sequences and speculation_stats)")
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         problems.append("assistant_ensemble_weight")
     others = sorted(k for k, v in model_kwargs.items() if v is not None and k not in KNOWN_MODEL_KWARGS)
     if others:
         problems.append(f"model inputs {others} (a batch takes input_ids and attention_mask)")
-    custom = [type(c).__name__ for c in stopping_criteria if not isinstance(c, HANDLED_CRITERIA)]
-    if custom:
-        problems.append(f"custom stopping criteria {custom} (EOS, max length, stop strings and max_time are served)")
     cache = _target_cache(target, model_kwargs)
     check_prompt_not_cached(cache)
     if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
         problems.append("a target with sliding-window attention layers (their cache drops entries by slot)")
-    if drafter.config.has_masked_layers():
-        problems.append("a drafter with causal or sliding-window layers (z-lab's DFlash drafters attend unmasked)")
-    if problems:
-        raise ValueError(
-            f"block-diffusion speculative decoding with {mode} does not support " + "; ".join(problems) + f". {advice}"
+    if drafter.config.has_masked_layers() and not single:
+        problems.append(
+            "a drafter with causal or sliding-window layers for several or padded rows (z-lab's DFlash drafters "
+            "attend unmasked; call generate() per prompt)"
         )
+    if problems:
+        raise ValueError("block-diffusion speculative decoding does not support " + "; ".join(problems) + ".")
 
 
 def _target_cache(target: PreTrainedModel, model_kwargs: dict[str, Any]) -> Any:
@@ -231,7 +230,7 @@ class RaggedCache:
         mask[:, :, :prompt] &= self.key_valid[:, None, :]
         return mask[:, None]
 
-    def advance(self, committed: torch.Tensor, host_committed: list[int]) -> None:
+    def advance(self, committed: torch.Tensor | int, host_committed: list[int]) -> None:
         """Each row keeps its first `committed` slots of the last forward."""
         self.lengths = self.lengths + committed
         self.host_lengths = [n + c for n, c in zip(self.host_lengths, host_committed, strict=True)]
@@ -258,6 +257,53 @@ class _Row:
     lookup_drafts: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Verified:
+    """A target forward whose slots picked committed tokens: the processed and raw logits of its slots (rows, slots,
+    V) and its outputs (whose hidden states and attentions a caller may ask for); `prefill`: the prompt's forward."""
+
+    processed: torch.Tensor
+    raw: torch.Tensor
+    outputs: Any
+    prefill: bool = False
+
+    def step(self, name: str, slot: int) -> Any:
+        """What plain `generate` returns under `name` for the token this forward picked at `slot` (row 0)."""
+        if name == "scores":
+            return self.processed[:, slot]
+        if name == "logits":
+            return self.raw[:, slot].float()
+        if name == "hidden_states":
+            states = self.outputs.hidden_states
+            return states if self.prefill else tuple(h[:, slot : slot + 1] for h in states)
+        attentions = self.outputs.attentions  # slot i's query attends to the keys up to its own position
+        if self.prefill:
+            return attentions
+        return tuple(a[:, :, slot : slot + 1, : a.shape[-1] - a.shape[2] + slot + 1] for a in attentions)
+
+
+class ReturnedSteps:
+    """What `return_dict_in_generate` asks for besides the sequences, per committed token of a single row, laid out
+    as plain `generate` returns it: processed scores, raw logits, the target's attentions and hidden states."""
+
+    FIELDS = ("scores", "logits", "attentions", "hidden_states")
+
+    @classmethod
+    def wanted(cls, config: GenerationConfig) -> bool:
+        return bool(config.return_dict_in_generate) and any(getattr(config, f"output_{f}", False) for f in cls.FIELDS)
+
+    def __init__(self, config: GenerationConfig):
+        self.steps = {name: [] for name in self.FIELDS if getattr(config, f"output_{name}", False)}
+
+    def record(self, verified: Verified, count: int) -> None:
+        for slot in range(count):
+            for name, steps in self.steps.items():
+                steps.append(verified.step(name, slot))
+
+    def as_output_fields(self) -> dict[str, tuple]:
+        return {name: tuple(steps) for name, steps in self.steps.items()}
+
+
 class BatchedSpeculativeDecoder:
     """Runs one batched call (see the module docstring); `run()` returns the padded sequences."""
 
@@ -273,8 +319,10 @@ class BatchedSpeculativeDecoder:
         stopping_criteria: StoppingCriteriaList,
         model_kwargs: dict[str, Any],
         hidden_states_to_keep: bool | list[int],
+        streamer: Any = None,
     ):
         self.target, self.drafter = target, drafter
+        self.streamer = streamer
         self.guard = guard
         self.device = input_ids.device
         self.config = generation_config
@@ -288,6 +336,7 @@ class BatchedSpeculativeDecoder:
         self.pad_token_id = int(pad) if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
         self.stop_strings = [c for c in stopping_criteria if isinstance(c, StopStringCriteria)]
         self.deadlines = [c for c in stopping_criteria if isinstance(c, MaxTimeCriteria)]
+        self.custom_criteria = [c for c in stopping_criteria if not isinstance(c, HANDLED_CRITERIA)]
         self.max_length = generation_config.max_length
         self.cache_name = cache_argument(target)
         self.cache = _target_cache(target, model_kwargs)
@@ -295,6 +344,9 @@ class BatchedSpeculativeDecoder:
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
+        cost = controllers[0].cost_model
+        # one row drafts through the calibrated skinny head kernels (a batch's rows were timed on the stock ones)
+        self.head_rows = cost.kernel_rows if cost is not None and len(controllers) == 1 else ()
         self.vocab_size = self.embed_tokens.weight.shape[0]
         mask = model_kwargs.get("attention_mask")
         self.prompt_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
@@ -306,11 +358,12 @@ class BatchedSpeculativeDecoder:
             first_real = int(host_mask[i].argmax()) if bool(host_mask[i].any()) else input_ids.shape[1]
             stats = SpeculationStats(
                 prompt_tokens=input_ids.shape[1] - first_real,
-                controller=controller.describe(),
+                controller=(guard or controller).describe(),  # the guard's description names what it wraps
                 cost_model_source=controller.cost_model.source if controller.cost_model else "",
             )
             lookup = NgramLookup() if drafter.prompt_lookup else None
             self.rows.append(_Row(i, controller, stats, host_ids[i : i + 1], lookup, first_real))
+        self.returned = ReturnedSteps(generation_config) if ReturnedSteps.wanted(generation_config) else None
         self.stats = BatchSpeculationStats(
             rows=[row.stats for row in self.rows],
             batch_size=len(self.rows),
@@ -324,8 +377,15 @@ class BatchedSpeculativeDecoder:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, valid, positions)
 
     # ------------------------------------------------------------------------------------------- the loop
+    @property
+    def call_stats(self) -> SpeculationStats | BatchSpeculationStats:
+        """The call's statistics: one request's `SpeculationStats`, or a batch's `BatchSpeculationStats`."""
+        return self.stats.rows[0] if self.stats.batch_size == 1 else self.stats
+
     @torch.no_grad()
     def run(self) -> torch.LongTensor:
+        if self.streamer is not None:  # the prompt first, as plain generate streams it
+            self.streamer.put(self.input_ids.cpu())
         prompt_mask = self.prompt_mask
         prefill = self._forward(self.input_ids, self.positions.masked_fill(prompt_mask == 0, 0), prompt_mask, 1)
         self._keep_context(prefill, prompt_mask.bool(), self.positions)
@@ -333,26 +393,42 @@ class BatchedSpeculativeDecoder:
         self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded)
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
-            row.stats.block_size = row.controller.width()
             row.stats.policy_seconds, row.stats.policy_probs = (
                 row.controller.policy_seconds,
                 row.controller.policy_probs,
             )
             row.stats.target_forwards = 1
             row.stats.widths_per_round.append(1)
-        self.shared_width = all(row.controller.tau_curve() is not None for row in self.rows)
+        # a single row drafts its own controller's width, as its policy chose and its rounds correct it
+        self.shared_width = len(self.rows) > 1 and all(row.controller.tau_curve() is not None for row in self.rows)
         width, gain = self._batch_width()
         pays = gain is None or gain >= 1 + self._drafting_margin()
         self.batch_plain = self.shared_width and not pays  # with no guard to judge it, as a single request's policy
         if self.guard is not None:
             self.guard.begin(self.temperature, width if pays else 1)
-        logits = self._process(prefill.logits[:, -1:].float())
+        # decided once: a batch none of whose rows drafts again decodes plain, keeping no drafter context
+        self.plain = self.batch_plain or max(self._controllers_max_width()) <= 1
+        if self.plain:
+            self.pending = []
+        for row in self.rows:
+            row.stats.block_size = 1 if self.plain else (width if self.shared_width else row.controller.width())
+        raw = prefill.logits[:, -1:]
+        logits = self._process(raw.float())
         first = self._pick(logits)[:, 0]
         self.anchor = first
-        self._commit([[t] for t in self._to_host(first).tolist()], accepted=[0] * len(self.rows))
+        host = self._to_host(first).tolist()
+        self._commit([[t] for t in host], [0] * len(self.rows), Verified(logits, raw, prefill, prefill=True))
         while self.rows:
-            self._round()
+            self._plain_round() if self.plain else self._round()
+        if self.streamer is not None:
+            self.streamer.end()
         return self._sequences()
+
+    def _controllers_max_width(self) -> list[int]:
+        """The widest block each row may still draft (1 for every row where the guard decided on plain decoding)."""
+        if self.guard is not None and self.guard.max_width() <= 1:
+            return [1]
+        return [row.controller.max_width() for row in self.rows]
 
     def _batch_width(self) -> tuple[int, float | None]:
         """The width the batch drafts next, and its predicted speedup over plain batched steps. Where every row's
@@ -384,22 +460,52 @@ class BatchedSpeculativeDecoder:
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
         logits = self._process(outputs.logits[:, -(widest + 1) :].float(), block)
-        if widest == 0:
-            accepted, tokens = torch.zeros_like(keep), self._pick(logits)
-        elif self.do_sample:
-            accepted, tokens = _speculative_sampling(block[:, 1:], draft_logits[:, :widest], logits, keep)
-        else:
-            accepted, tokens = _greedy_acceptance(block[:, 1:], logits.argmax(dim=-1), keep)
-        kept = slots[None, :] <= accepted[:, None]
-        self._keep_context(outputs, kept, positions)
+        accepted, tokens = self._accept(block[:, 1:], None if widest == 0 else draft_logits[:, :widest], logits, keep)
         self.next_position = self.next_position + accepted + 1
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
+        # a single row keeps only its committed tokens' states, so its drafter runs unmasked, as drafted alone
+        kept_slots = host[0][0] + 1 if self.plan.single else widest + 1
+        kept = slots[None, :kept_slots] <= accepted[:, None]
+        self._keep_context(outputs, kept, positions[:, :kept_slots])
         if self.guard is not None:  # the batch's round, as the mean row's
             self.guard.observe(sum(keeps) / len(keeps), sum(n for n, *_ in host) / len(host))
         # a row's rejected drafts and padding lie past its new length: the next round writes over them
         self.plan.advance(accepted + 1, [n + 1 for n, *_ in host])
         self.anchor = tokens.gather(1, accepted[:, None])[:, 0]
-        self._commit([toks[: n + 1] for n, *toks in host], accepted=[n for n, *_ in host])
+        verified = Verified(logits, outputs.logits[:, -(widest + 1) :], outputs)
+        self._commit([toks[: n + 1] for n, *toks in host], [n for n, *_ in host], verified)
+
+    def _accept(
+        self, drafts: torch.Tensor, draft_logits: torch.Tensor | None, logits: torch.Tensor, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the drafts accepted among its first `keep` and the (rows, slots) tokens whose first accepted + 1
+        are committed: greedy, the target's argmax; sampling, speculative sampling against `draft_logits` (the
+        processed logits the drafts were drawn from; None when no row drafted)."""
+        if draft_logits is None:
+            return torch.zeros_like(keep), self._pick(logits)
+        if self.do_sample:
+            return _speculative_sampling(drafts, draft_logits, logits, keep)
+        return _greedy_acceptance(drafts, logits.argmax(dim=-1), keep)
+
+    def _plain_round(self) -> None:
+        """One plain decoding step for a batch whose rows never draft again: one token a row, as plain `generate`
+        decodes it, with no drafter context kept (so the target returns no hidden states the call did not ask for).
+        """
+        block, positions = self.anchor[:, None], self.next_position[:, None]
+        rows = len(self.rows)
+        with slot_key_lengths(self.plan.host_lengths, [1] * rows, self.plan.padded):
+            outputs = self._forward(block, positions, self.plan.prepare(1), 1, keep_states=False)
+        self.stats.verify_slots += rows
+        raw = outputs.logits[:, -1:]
+        logits = self._process(raw.float(), block)
+        self.anchor = self._pick(logits)[:, 0]
+        self.next_position = self.next_position + 1
+        host = self._to_host(self.anchor).tolist()
+        self.plan.advance(1, [1] * rows)
+        for row in self.rows:
+            row.keep = 0
+            row.stats.widths_per_round.append(1)
+        self._commit([[t] for t in host], [0] * rows, Verified(logits, raw, outputs))
 
     # ------------------------------------------------------------------------------------------ drafting
     def _draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
@@ -451,12 +557,14 @@ class BatchedSpeculativeDecoder:
         block_ids = torch.full((rows, width), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = self.anchor
         block_positions = self.next_position[:, None] + torch.arange(width, device=self.device)[None, :]
-        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
-        slot_visible = (
-            torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
-        )
-        visible = torch.cat([self.context_valid, slot_visible], dim=1)
-        mask = visible[:, None, None, :].expand(rows, 1, width, visible.shape[1])
+        mask = None  # one unpadded row sees all its context and slots: the drafter's own masks (its causal layers)
+        if not self.plan.single:
+            self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+            slot_visible = (
+                torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
+            )
+            visible = torch.cat([self.context_valid, slot_visible], dim=1)
+            mask = visible[:, None, None, :].expand(rows, 1, width, visible.shape[1])
         out = (
             self.drafter(
                 block_embeds=self.drafter.embed_block(self.embed_tokens, block_ids).to(self.drafter.device),
@@ -473,13 +581,14 @@ class BatchedSpeculativeDecoder:
         for row in self.rows:
             row.stats.drafter_forwards += 1
         self.draft_hidden = out
-        logits = self.drafter.head_logits(out, self.head_weight, self.head_bias)
+        logits = self.drafter.head_logits(out, self.head_weight, self.head_bias, self.head_rows)
         return self.drafter.full_vocabulary(logits, self.vocab_size)
 
     def _extend_draft_context(self) -> None:
         """Rounds drafted by prompt lookup alone: the drafter only takes in the new context."""
         hidden, valid, positions = self._take_pending()
-        self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        if not self.plan.single:
+            self.context_valid = torch.cat([self.context_valid, valid], dim=1)
         self.drafter.extend_context(hidden, positions, self.draft_cache)
 
     def _select(self, logits: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -534,14 +643,21 @@ class BatchedSpeculativeDecoder:
         return rounds
 
     # --------------------------------------------------------------------------------------- verifying
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep_logits: int) -> Any:
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep_logits: int, keep_states: bool = True
+    ) -> Any:
+        """One target forward; `keep_states`: return the hidden states the drafter reads (the call's own request
+        for them is always served)."""
+        states = self.hidden_states_to_keep if keep_states or self.config.output_hidden_states else False
+        attentions = {"output_attentions": True} if self.config.output_attentions else {}
         outputs = self.target(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            output_hidden_states=self.hidden_states_to_keep,
+            output_hidden_states=states,
             logits_to_keep=keep_logits,
+            **attentions,
             **{self.cache_name: self.cache},
         )
         self.stats.target_forwards += 1
@@ -576,7 +692,8 @@ class BatchedSpeculativeDecoder:
         forward; `kept` (rows, slots) marks the committed ones (the last committed token is the next anchor and
         joins next round, as slot 0)."""
         hidden_states = outputs.hidden_states
-        hidden = torch.cat([hidden_states[i + 1] for i in self.drafter.target_layer_ids], dim=-1)
+        slots = kept.shape[1]
+        hidden = torch.cat([hidden_states[i + 1][:, :slots] for i in self.drafter.target_layer_ids], dim=-1)
         self.pending.append((hidden.to(self.drafter.device), kept, positions))
 
     def _take_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -584,13 +701,19 @@ class BatchedSpeculativeDecoder:
         self.pending = []
         return hidden, valid, positions.masked_fill(~valid, 0)
 
-    def _commit(self, committed: list[list[int]], accepted: list[int]) -> None:
-        """Append each row's committed tokens (cut at its first stop), record its round, retire finished rows."""
+    def _commit(self, committed: list[list[int]], accepted: list[int], verified: Verified) -> None:
+        """Append each row's committed tokens (cut at its first stop; `verified`: the forward that picked them),
+        stream and record them, record the row's round, retire finished rows."""
         done = []
         timed_out = any(bool(c(None, None)) for c in self.deadlines) if self.deadlines else False
         for r, (row, tokens) in enumerate(zip(self.rows, committed, strict=True)):
-            cut, stop = self._cut_at_stop(row, tokens)
-            row.ids = torch.cat([row.ids, torch.tensor([cut], dtype=row.ids.dtype)], dim=1)
+            cut, stop = self._cut_at_stop(row, tokens, verified.processed[r])
+            new = torch.tensor([cut], dtype=row.ids.dtype)
+            row.ids = torch.cat([row.ids, new], dim=1)
+            if self.streamer is not None:
+                self.streamer.put(new[0])
+            if self.returned is not None:
+                self.returned.record(verified, len(cut))
             row.stats.new_tokens = row.ids.shape[1] - self.input_ids.shape[1]
             row.stats.drafted_per_round.append(row.keep)
             row.stats.accepted_per_round.append(min(accepted[r], len(cut) - 1))
@@ -600,15 +723,18 @@ class BatchedSpeculativeDecoder:
         if done:
             self._retire(done)
 
-    def _cut_at_stop(self, row: _Row, tokens: list[int]) -> tuple[list[int], bool]:
-        """`tokens` up to and including the first that ends the row (EOS, a stop string, max length)."""
+    def _cut_at_stop(self, row: _Row, tokens: list[int], scores: torch.Tensor) -> tuple[list[int], bool]:
+        """`tokens` up to and including the first that ends the row (EOS, a stop string, a custom stopping
+        criterion, which sees the ids so far and the processed `scores` the token was picked from; max length)."""
         room = self.max_length - row.ids.shape[1]
         for i, token in enumerate(tokens[:room]):
             if token in self.eos_ids:
                 return tokens[: i + 1], True
-            if self.stop_strings:
+            if self.stop_strings or self.custom_criteria:
                 ids = torch.cat([row.ids, torch.tensor([tokens[: i + 1]], dtype=row.ids.dtype)], dim=1)
-                if any(bool(c(ids, None)[0]) for c in self.stop_strings):
+                if any(bool(c(ids, None)[0]) for c in self.stop_strings) or any(
+                    bool(c(ids.to(self.device), scores[i : i + 1])[0]) for c in self.custom_criteria
+                ):
                     return tokens[: i + 1], True
         return tokens[:room], len(tokens) > room
 

@@ -1,24 +1,29 @@
-"""Block-diffusion speculative decoding through Transformers' own seam, with nothing patched:
+"""The decoding loop's entry, reached through Transformers' own seam with nothing patched:
 
     model.generate(**inputs, custom_generate=hf_blockpilot.generate, drafter=drafter, max_new_tokens=256)
 
 Transformers (5.17 and later) prepares the call as usual (processors, stopping criteria, cache, lengths) and hands
-the decoding loop to `generate` below, which runs the package's own loop for any batch size. A callable
-`custom_generate` receives no `assistant_model` and no `streamer` from Transformers, so the drafter comes as
-`drafter=`; for streamers, output scores and custom stopping criteria use `generate(assistant_model=drafter)`
-after `import hf_blockpilot` (Transformers' assisted loop at batch size 1).
+the decoding loop to `generate` below, which runs the package's one loop (`hf_blockpilot.batched`) for any batch
+size. A callable `custom_generate` receives no `assistant_model` and no `streamer` from Transformers, so the drafter
+comes as `drafter=` and a streamer as `stream=`. After `import hf_blockpilot`, `generate(assistant_model=drafter)`
+is routed here (`hf_blockpilot.routing`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .candidate_generator import batched_decoder, prepare_controller, use_call_kernels
-from .controllers import DraftController
+from ._compat import SELECTION_KEEPS_POSITIONS
+from .batched import BatchedSpeculativeDecoder, check_batched_call
+from .controllers import DraftController, SpeculationGuard, resolve_controller
+from .cpu_kernels import use_verify_kernels
+from .device_calibration import resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
 
@@ -30,22 +35,29 @@ def generate(
     generation_config: GenerationConfig,
     drafter: BlockDiffusionDrafter | None = None,
     draft_controller: DraftController | int | None = None,
+    stream: BaseStreamer | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """The decoding loop `model.generate(custom_generate=hf_blockpilot.generate, drafter=drafter)` runs:
     lossless speculative decoding with `drafter` and `draft_controller` (default: the drafter's policy under the
-    speculation guard, as `generate(assistant_model=drafter)`). Returns the sequences, or with
-    `return_dict_in_generate=True` an output carrying them and this call's `speculation_stats`."""
+    speculation guard), streaming one row to `stream` if given. Returns the sequences, or with
+    `return_dict_in_generate=True` an output carrying them (and the scores, logits, attentions or hidden states
+    asked for, one row) and this call's `speculation_stats`."""
     if not isinstance(drafter, BlockDiffusionDrafter):
         raise TypeError(
             "custom_generate=hf_blockpilot.generate drafts with drafter=<BlockDiffusionDrafter> (Transformers passes "
             f"no assistant_model to a callable custom_generate); got drafter={type(drafter).__name__}"
         )
+    for name in ("output_attentions", "output_hidden_states"):  # asked for as model inputs: returned per step
+        if model_kwargs.pop(name, None):
+            setattr(generation_config, name, True)
     rows = input_ids.shape[0]
+    mask = model_kwargs.get("attention_mask")
+    unpadded = mask is None or bool(mask.all())  # once per call
     controller = prepare_controller(model, drafter, draft_controller, rows)
-    view, end_kernels = use_call_kernels(model, controller, model_kwargs.get("attention_mask"), rows)
+    view, end_kernels = use_verify_kernels(model, controller.cost_model.kernel_rows, unpadded, rows)
     try:
-        decoder = batched_decoder(
+        decoder = build_decoder(
             view,
             drafter,
             controller,
@@ -53,18 +65,100 @@ def generate(
             generation_config,
             logits_processor,
             stopping_criteria,
-            None,
+            stream,
             model_kwargs,
-            (
-                "custom_generate=hf_blockpilot.generate",
-                "Use generate(assistant_model=drafter) after `import hf_blockpilot` for them.",
-            ),
+            single=rows == 1 and unpadded,
         )
         sequences = decoder.run()
     finally:
         end_kernels()
     if not generation_config.return_dict_in_generate:
         return sequences
-    output = GenerateDecoderOnlyOutput(sequences=sequences)
-    output.speculation_stats = decoder.stats
+    returned = decoder.returned.as_output_fields() if decoder.returned is not None else {}
+    output = GenerateDecoderOnlyOutput(sequences=sequences, **returned)
+    output.speculation_stats = decoder.call_stats
     return output
+
+
+def prepare_controller(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController | int | None,
+    batch_size: int = 1,
+) -> DraftController:
+    """This request's own controller (`resolve_controller`), checked against the pair and given the device's
+    costs (`resolve_cost_model`: its own, else this machine's calibration, else the shipped fallback; with its
+    batch axis measured at `batch_size` for a batched call)."""
+    drafter.check_compatible(target)
+    prepared = resolve_controller(drafter, controller).for_request()
+    prepared.check_compatible(target, drafter)
+    cost = resolve_cost_model(target, drafter, prepared.cost_model, prepared.max_width(), batch_size=batch_size)
+    if cost.inexact_rows:
+        warnings.warn(
+            f"hf-blockpilot: {cost.source}: verify forwards over {cost.inexact_rows} tokens do not give the logits "
+            "of plain decoding's one-token steps bit for bit on this machine, even on the exact path, so greedy "
+            "output may differ from plain `generate` in this dtype where two tokens nearly tie; decode in another "
+            "dtype (`--dtype auto` picks a lossless one) for token-identical output",
+            stacklevel=3,
+        )
+    prepared.use_cost_model(cost)
+    return prepared
+
+
+def hidden_states_to_keep(
+    drafter: BlockDiffusionDrafter, controller: DraftController, wants_all: bool = False
+) -> bool | list[int]:
+    """The target's hidden states that the drafter (and the controller's policy) read, as `hidden_states` indices;
+    all of them where the call asks for them (`wants_all`: they are returned).
+
+    Where Transformers keeps a selection at its usual positions (5.23), only those are held, which saves
+    memory on long prompts; older releases index a selection differently, so they get all of them.
+    """
+    if wants_all or not SELECTION_KEEPS_POSITIONS:
+        return True
+    controller_states = controller.prefill_state_indices()
+    if controller_states is None:  # a policy of another kind may read any of them
+        return True
+    return sorted({i + 1 for i in drafter.target_layer_ids} | controller_states)
+
+
+def build_decoder(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    controller: DraftController,
+    input_ids: torch.LongTensor,
+    generation_config: GenerationConfig,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    streamer: BaseStreamer | None,
+    model_kwargs: dict[str, Any],
+    single: bool,
+    decoder_class: type[BatchedSpeculativeDecoder] | None = None,
+) -> BatchedSpeculativeDecoder:
+    """The decoder (a `decoder_class`, default `BatchedSpeculativeDecoder`) of one call's rows with its prepared
+    `controller` (`prepare_controller`), after checking that the loop serves the call (`single`: one unpadded row,
+    `check_batched_call`)."""
+    check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, single)
+    batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
+    # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
+    guard, per_row = None, controller
+    if isinstance(controller, SpeculationGuard):
+        guard, per_row = controller.for_request(), controller.inner
+    controllers = [per_row.for_request() for _ in range(input_ids.shape[0])]
+    for each in [guard, *controllers] if guard is not None else controllers:
+        each.use_cost_model(batch_cost)
+    decoder = (decoder_class or BatchedSpeculativeDecoder)(
+        target,
+        drafter,
+        controllers,
+        guard,
+        input_ids,
+        generation_config,
+        logits_processor,
+        stopping_criteria,
+        model_kwargs,
+        hidden_states_to_keep(drafter, controller, bool(generation_config.output_hidden_states)),
+        streamer,
+    )
+    drafter.last_stats = decoder.call_stats
+    return decoder

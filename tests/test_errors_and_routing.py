@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 from transformers import LlamaForCausalLM
+from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 from hf_blockpilot import BlockDiffusionConfig, BlockDiffusionDrafter
-from hf_blockpilot.candidate_generator import BlockDiffusionCandidateGenerator
 
 VOCAB, HIDDEN, LAYERS = 97, 64, 4
 
@@ -136,7 +136,15 @@ def test_block_size_from_target_rejects(target, value):
         BlockDiffusionDrafter.from_target(target, block_size=value)
 
 
-def test_stock_assistant_goes_through_stock_transformers(target, built_generators):
+def test_stock_assistant_goes_through_stock_transformers(target, built_decoders, monkeypatch):
+    built_generators = []
+    stock_candidates = GenerationMixin._get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        built_generators.append(stock_candidates(self, *args, **kwargs))
+        return built_generators[-1]
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
     assistant = make_target("qwen3", vocab_size=VOCAB, hidden_size=32, layers=1, seed=5)
     llama_assistant = make_target("llama", vocab_size=VOCAB, hidden_size=32, layers=1, seed=6)
     assert isinstance(llama_assistant, LlamaForCausalLM)
@@ -155,18 +163,17 @@ def test_stock_assistant_goes_through_stock_transformers(target, built_generator
     # and the drafter is routed to ours
     drafter = make_drafter(target)
     assert torch.equal(_greedy(target, prompt, assistant_model=drafter), expected)
-    assert type(built_generators[-1]) is BlockDiffusionCandidateGenerator
+    assert len(built_decoders) == 1 and len(built_generators) == 3  # ours builds no candidate generator
     assert drafter.last_stats is not None and drafter.last_stats.drafter_forwards > 0
 
 
-def test_beam_search_with_a_drafter_warns_that_the_drafter_is_unused(target):
-    """Transformers runs beam search and ignores any assistant when num_beams > 1; say so instead of silently."""
+def test_beam_search_with_a_drafter_is_a_clear_error(target):
+    """Stock Transformers would run beam search and silently ignore the assistant when num_beams > 1."""
     drafter = make_drafter(target)
-    with pytest.warns(UserWarning, match=r"generation mode is beam_search .* does not use the drafter"):
-        out = target.generate(
+    with pytest.raises(ValueError, match=r"beam search \(num_beams > 1"):
+        target.generate(
             _prompt(), assistant_model=drafter, num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0
         )
-    assert torch.equal(out, target.generate(_prompt(), num_beams=2, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert drafter.last_stats is None
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_drafter, make_target
 from transformers.generation.streamers import BaseStreamer
 
-import hf_blockpilot.candidate_generator as candidate_generator_module
+from hf_blockpilot.batched import BatchedSpeculativeDecoder
 
 VOCAB, HIDDEN = 48, 64  # vocab <= hidden lets ScriptedDrafter invert the LM head exactly
 BLOCK = 6
@@ -30,16 +30,17 @@ def prompt():
 
 @pytest.fixture
 def cuts(monkeypatch):
-    """Record (drafts before, drafts after) of every `_cut_before_stop` call."""
+    """Record (a round's tokens, the tokens committed of them) of every `_cut_at_stop` call: cut right after the
+    first that ends generation."""
     calls = []
-    original = candidate_generator_module.BlockDiffusionCandidateGenerator._cut_before_stop
+    original = BatchedSpeculativeDecoder._cut_at_stop
 
-    def spy(self, input_ids, drafts, logits):
-        kept, kept_logits = original(self, input_ids, drafts, logits)
-        calls.append((drafts[0].clone(), kept[0].clone()))
-        return kept, kept_logits
+    def spy(self, row, tokens, scores):
+        kept, stop = original(self, row, tokens, scores)
+        calls.append((torch.tensor(tokens), torch.tensor(kept)))
+        return kept, stop
 
-    monkeypatch.setattr(candidate_generator_module.BlockDiffusionCandidateGenerator, "_cut_before_stop", spy)
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "_cut_at_stop", spy)
     return calls
 
 
@@ -123,14 +124,14 @@ def test_eos_inside_accepted_block(target, prompt, cuts, as_list):
     drafter = scripted(target, free)  # drafts run past the EOS: it is drafted inside a block
     out = _gen(target, prompt, max_new_tokens=40, eos=eos, assistant_model=drafter)
     assert torch.equal(out, expected)
-    # EOS was drafted after at least one other draft of its block, and the drafts were cut right before it
+    # EOS was accepted after at least one other token of its round, and the round was cut right after it
     eos_ids = torch.tensor(eos if as_list else [eos])
     cut_at_eos = [
         (before, after)
         for before, after in cuts
-        if torch.isin(before, eos_ids).any() and after.numel() == int(torch.isin(before, eos_ids).int().argmax())
+        if torch.isin(before, eos_ids).any() and after.numel() == int(torch.isin(before, eos_ids).int().argmax()) + 1
     ]
-    assert cut_at_eos and any(after.numel() > 0 for _, after in cut_at_eos), cuts
+    assert cut_at_eos and any(after.numel() > 1 for _, after in cut_at_eos), cuts
     assert drafter.last_stats.new_tokens == stop_at + 1
     assert drafter.last_stats.tau > 2
 
@@ -186,8 +187,9 @@ def test_stop_strings_mid_block(target, prompt, cuts):
         out = _gen(target, prompt, max_new_tokens=40, stop_strings=[stop], tokenizer=tokenizer, assistant_model=drafter)
         assert torch.equal(out, expected), stop
         tried += 1
-        # the drafts ran past the stop string and were cut right before its last character, after other drafts
-        cut_mid_block += any(0 < after.numel() < before.numel() for before, after in cuts)
+        # the accepted drafts ran past the stop string and were cut right after its last character, which came
+        # after other tokens of its round
+        cut_mid_block += any(1 < after.numel() < before.numel() for before, after in cuts)
     assert tried >= 4
     assert cut_mid_block >= 2, "the stop string never landed inside a drafted block"
 

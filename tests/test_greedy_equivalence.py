@@ -49,8 +49,7 @@ def test_greedy_identical_over_randomized_cases():
         assert torch.equal(got, expected), msg
 
         stats = drafter.last_stats
-        # the block size is decided after prefill, and only if a second round happens
-        assert stats.block_size == (block_size if stats.target_forwards > 1 else None), msg
+        assert stats.block_size == block_size, msg  # decided right after the prefill
         assert stats.new_tokens == expected.shape[1] - prompt_len, msg
         assert stats.target_forwards == len(stats.accepted_per_round) == len(stats.drafted_per_round), msg
         assert stats.new_tokens == sum(a + 1 for a in stats.accepted_per_round), msg
@@ -94,7 +93,7 @@ def test_block_size_setter_and_other_sizes(family):
         )  # prefill commits 1, one slot stays for the bonus
 
 
-def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_controller(built_generators):
+def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_controller(built_decoders):
     """A drafter with a causal sliding-window layer (window 3) and a full one, over contexts far longer than the
     window: identical to plain `generate` under the CPU verify kernels, with and without prompt lookup, under a
     policy and under the per-round controller; its context cache dropped what the window no longer reaches."""
@@ -121,7 +120,7 @@ def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_contro
                         target, prompt, 90, None, assistant_model=drafter, draft_controller=controller
                     )
                 assert torch.equal(got, expected), (seed, control, lookup)
-                cache = built_generators[-1].cache
+                cache = built_decoders[-1].draft_cache
                 assert cache._dropped[0] > 0 and cache._dropped[1] == 0  # only the sliding layer drops
                 drafted += sum(drafter.last_stats.drafted_per_round)
                 lookups += drafter.last_stats.lookup_rounds

@@ -91,17 +91,18 @@ def test_drafting_that_pays_never_pauses():
     assert drafter.last_stats.plain_rounds == 0 and drafter.last_stats.tau > 3
 
 
-def test_drafting_resumed_after_a_pause_sees_the_whole_context(built_generators):
+def test_drafting_resumed_after_a_pause_sees_the_whole_context(built_decoders):
     target, drafter, prompt = pair(seed=4)
     guard = guarded(FLAT, probe_rounds=1, first_pause=2, decay=0.0)
     out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guard)
-    generator = built_generators[-1]
+    decoder = built_decoders[-1]
     assert drafter.last_stats.plain_rounds > 0
     # what the generator's cache (built across pauses) drafts equals a fresh cache fed the whole context
     with torch.no_grad():
         states = target(out, output_hidden_states=True).hidden_states
-    seen = generator.cache.get_seq_length() + sum(h.shape[1] for h in generator.pending_context)
-    assert seen == out.shape[1] - 2  # every committed token but the last, minus the final round's bonus
+    pending = [hidden for hidden, *_ in decoder.pending]
+    seen = decoder.draft_cache.get_seq_length() + sum(h.shape[1] for h in pending)
+    assert seen == out.shape[1] - 1  # every committed token but the last (the next round's anchor)
     hidden = torch.cat([states[i + 1] for i in drafter.target_layer_ids], dim=-1)
     block = drafter.embed_block(target.get_input_embeddings(), torch.full((1, 4), drafter.mask_token_id))
     positions = torch.arange(seen, seen + 4)[None]
@@ -118,13 +119,13 @@ def test_drafting_resumed_after_a_pause_sees_the_whole_context(built_generators)
                 cache=cache,
             ).last_hidden_state
 
-    pending = torch.cat(generator.pending_context, dim=1) if generator.pending_context else hidden[:, :0]
-    resumed = draft(generator.cache, pending)
+    pending = torch.cat(pending, dim=1) if pending else hidden[:, :0]
+    resumed = draft(decoder.draft_cache, pending)
     fresh = draft(DraftContextCache(), hidden[:, :seen])
     torch.testing.assert_close(resumed, fresh, rtol=1e-5, atol=1e-5)
 
 
-def test_measured_timing_learns_the_plain_step_from_its_pauses(built_generators):
+def test_measured_timing_learns_the_plain_step_from_its_pauses(built_decoders):
     """Wall-clock judging: every round (drafting or plain) takes 20 ms on this fake clock, twice the cost model's
     plain step. Drafting rounds that commit one token lose against the modeled 10 ms step, and again against
     the 20 ms plain steps the first pause measured; the guard learned that plain step."""
@@ -134,7 +135,7 @@ def test_measured_timing_learns_the_plain_step_from_its_pauses(built_generators)
     plain = greedy_generate(target, prompt, 60, None)
     out = greedy_generate(target, prompt, 60, None, assistant_model=drafter, draft_controller=guard)
     assert torch.equal(out, plain) and drafter.last_stats.plain_rounds >= 3
-    assert built_generators[-1].controller.plain_seconds == pytest.approx(0.02)
+    assert built_decoders[-1].guard.plain_seconds == pytest.approx(0.02)
     copy = guard.for_request()  # a fresh request's guard knows no plain step yet
     assert copy.plain_seconds is None and copy.timing == "measured"
 

@@ -333,16 +333,15 @@ def test_feature_layers_default_to_the_middle_and_second_to_last_and_are_checked
 def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(target):
     """Where Transformers keeps a selection at its positions (5.23), the loop asks for just those states, and
     the drafter's context and the policy's features are the same as from the full tuple."""
-    from hf_blockpilot import candidate_generator
     from hf_blockpilot._compat import SELECTION_KEEPS_POSITIONS
+    from hf_blockpilot.controllers import resolve_controller
+    from hf_blockpilot.custom_generate import hidden_states_to_keep
 
     drafter = make_drafter(target, block_size=4)
     drafter.set_policy(make_policy(target, drafter))
     ids = _prompt(length=9)
-    generator = candidate_generator.BlockDiffusionCandidateGenerator(
-        drafter=drafter, target=target, input_ids=ids, generation_config=target.generation_config
-    )
-    keep = generator.model_kwargs_overrides["output_hidden_states"]
+    keep = hidden_states_to_keep(drafter, resolve_controller(drafter))
+    assert hidden_states_to_keep(drafter, resolve_controller(drafter), wants_all=True) is True
     if not SELECTION_KEEPS_POSITIONS:
         assert keep is True
         return
@@ -474,7 +473,7 @@ def test_a_tau_policy_picks_wide_blocks_where_a_wide_verify_is_cheap_and_narrow_
 
 def test_a_tau_policy_is_served_by_default_with_this_machines_costs(target, monkeypatch):
     """With no controller passed, generate resolves this machine's cost model and the policy weighs it."""
-    from hf_blockpilot import CostModel, candidate_generator
+    from hf_blockpilot import CostModel, custom_generate
 
     drafter = make_drafter(target, block_size=4)
     drafter.set_policy(_tau_policy(target, drafter))
@@ -482,7 +481,7 @@ def test_a_tau_policy_is_served_by_default_with_this_machines_costs(target, monk
         (CostModel(target_ms={1: 30.0, 8: 31.0}, drafter_ms={2: 2.0, 8: 2.5}), 8),
         (CostModel(target_ms={1: 30.0, 2: 40.0, 8: 240.0}, drafter_ms={2: 2.0, 8: 2.5}), 2),
     ):
-        monkeypatch.setattr(candidate_generator, "resolve_cost_model", lambda *args, c=cost, **kwargs: c)
+        monkeypatch.setattr(custom_generate, "resolve_cost_model", lambda *args, c=cost, **kwargs: c)
         out = _greedy(target, _prompt(4), assistant_model=drafter)
         assert torch.equal(out, _greedy(target, _prompt(4)))
         assert drafter.last_stats.block_size == width

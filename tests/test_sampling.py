@@ -15,8 +15,9 @@ import pytest
 import torch
 from conftest import make_drafter, make_sharp_target
 
-import hf_blockpilot.candidate_generator as candidate_generator_module
+import hf_blockpilot.custom_generate as custom_generate_module
 from hf_blockpilot import BlockDiffusionDrafter, DraftController
+from hf_blockpilot.batched import BatchedSpeculativeDecoder
 from hf_blockpilot.controllers import DraftedRound
 
 VOCAB = 4
@@ -160,18 +161,17 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_sampling_matches_exact_distribution(target, built_generators, config):
+def test_sampling_matches_exact_distribution(target, built_decoders, config):
     kwargs = CONFIGS[config]
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
     _check_drafter_differs(target, drafter)
     counts, drafted, accepted, _ = draw(target, drafter, NUM_SAMPLES, **kwargs)
 
-    generator = built_generators[-1]
-    assert isinstance(generator, candidate_generator_module.BlockDiffusionCandidateGenerator)
+    decoder = built_decoders[-1]
     if kwargs == CONFIGS["t1_no_processors"]:
-        assert len(generator.logits_processor) == 0, generator.logits_processor
+        assert len(decoder.processors) == 0, decoder.processors
     else:
-        assert len(generator.logits_processor) >= 2, generator.logits_processor
+        assert len(decoder.processors) >= 2, decoder.processors
         joint = exact_joint(target, PROMPT, **kwargs)
         assert (joint == 0).sum() > (
             exact_joint(target, PROMPT, temperature=kwargs["temperature"], top_k=None) == 0
@@ -213,19 +213,20 @@ def test_sampling_exact_with_prompt_lookup(target):
     assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
 
 
-class ArgmaxDraftsGenerator(candidate_generator_module.BlockDiffusionCandidateGenerator):
-    """BROKEN on purpose: drafts are the argmax although sampling, so they are not drawn from the returned logits."""
+class ArgmaxDraftsDecoder(BatchedSpeculativeDecoder):
+    """BROKEN on purpose: drafts are the argmax although sampling, so they are not drawn from the verified logits."""
 
-    def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
-        return logits.argmax(dim=-1)
+    def _select(self, logits, width):
+        drafts, processed = super()._select(logits, width)
+        return processed.argmax(dim=-1), processed
 
 
-def test_chi_square_rejects_broken_generator(target, monkeypatch, built_generators):
-    monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", ArgmaxDraftsGenerator)
+def test_chi_square_rejects_broken_generator(target, monkeypatch, built_decoders):
+    monkeypatch.setattr(custom_generate_module, "BatchedSpeculativeDecoder", ArgmaxDraftsDecoder)
     kwargs = CONFIGS["t1_no_processors"]
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)  # the drafter of the passing T=1 run
     counts, drafted, accepted, _ = draw(target, drafter, BROKEN_SAMPLES, **kwargs)
-    assert isinstance(built_generators[-1], ArgmaxDraftsGenerator)  # the broken generator really ran
+    assert isinstance(built_decoders[-1], ArgmaxDraftsDecoder)  # the broken decoder really ran
     assert accepted > 0
     stat, df = chi_square(counts, exact_joint(target, PROMPT, **kwargs))
     print(f"broken: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")
@@ -265,15 +266,18 @@ class ConfidenceThreshold(DraftController):
         return self.kept[-1]
 
 
-class PeekingGenerator(candidate_generator_module.BlockDiffusionCandidateGenerator):
-    """BROKEN on purpose: after drawing the drafts it keeps only the prefix of argmax drafts, so whether a
+class PeekingDecoder(BatchedSpeculativeDecoder):
+    """BROKEN on purpose: after drawing the drafts it verifies only the prefix of argmax drafts, so whether a
     position carries a draft depends on the draft drawn there (the mistake a controller must never make)."""
 
-    def _select(self, input_ids, logits, score=None):
-        drafts, processed = super()._select(input_ids, logits, score)
-        is_top = (drafts == processed.argmax(-1))[0].tolist() + [False]
-        keep = is_top.index(False)
-        return drafts[:, :keep], processed[:, :keep]
+    def _draft(self):
+        drafts, processed, keeps = super()._draft()
+        if drafts is None:
+            return drafts, processed, keeps
+        for r, row in enumerate(self.rows):
+            is_top = (drafts[r] == processed[r].argmax(-1)).tolist() + [False]
+            row.keep = keeps[r] = min(keeps[r], is_top.index(False))
+        return drafts, processed, keeps
 
 
 def test_sampling_exact_with_a_truncating_controller(target):
@@ -294,11 +298,11 @@ def test_sampling_exact_with_a_truncating_controller(target):
     assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
 
 
-def test_chi_square_rejects_truncation_that_peeks_at_the_drafts(target, monkeypatch, built_generators):
-    monkeypatch.setattr(candidate_generator_module, "BlockDiffusionCandidateGenerator", PeekingGenerator)
+def test_chi_square_rejects_truncation_that_peeks_at_the_drafts(target, monkeypatch, built_decoders):
+    monkeypatch.setattr(custom_generate_module, "BatchedSpeculativeDecoder", PeekingDecoder)
     drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
     counts, drafted, accepted, _ = draw(target, drafter, BROKEN_SAMPLES, temperature=1.0, top_k=None)
-    assert isinstance(built_generators[-1], PeekingGenerator)
+    assert isinstance(built_decoders[-1], PeekingDecoder)
     assert accepted > 0
     stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
     print(f"peeking: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} drafted={drafted} accepted={accepted}")

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..candidate_generator import prepare_controller
+from ..custom_generate import prepare_controller
 from ..data import chat_batch, load_prompts
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import BatchSpeculationStats, SpeculationStats

@@ -3,7 +3,7 @@
 At T=0 the target's continuation does not depend on the block size, and the target is causal: one plain
 greedy decode gives the continuation, and one target forward over prompt + continuation gives every hidden
 state any verify round would see. For each candidate b the drafter alone is then replayed round by round,
-through the very candidate generator `generate()` uses, so the round count and τ(b) equal real decoding.
+through `generate`'s own decoding loop (`training.replay`), so the round count and τ(b) equal real decoding.
 
 At T>0 one sampled continuation stands in for the target's output distribution, and acceptance is taken in
 expectation instead of from one draw (`expected_sampled_stats`): speculative sampling accepts a draft drawn from
@@ -24,13 +24,11 @@ from types import SimpleNamespace
 import torch
 from tqdm.auto import tqdm
 from transformers import (
-    GenerationConfig,
     LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from ..candidate_generator import BlockDiffusionCandidateGenerator
 from ..controllers import AcceptanceModel, AdaptiveVerify, DraftController
 from ..costs import CostModel
 from ..data import PromptRecord, chat_inputs
@@ -40,26 +38,7 @@ from ..policy import checked_feature_layers, prefill_features
 from ..stats import SpeculationStats
 from .calibration import RoundRecorder
 from .data import generation_eos_ids
-
-
-def _replay_generator(
-    target: PreTrainedModel,
-    drafter: BlockDiffusionDrafter,
-    prompt: torch.LongTensor,
-    controller: DraftController | int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int],
-    processors: LogitsProcessorList | None = None,
-) -> BlockDiffusionCandidateGenerator:
-    """The candidate generator `generate` would build for `prompt` (sampling with `processors` if given, else
-    greedy), past its first iteration (the prefill round)."""
-    config = GenerationConfig(max_length=prompt.shape[1] + max_new_tokens, do_sample=processors is not None)
-    config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=prompt.device) if eos_token_ids else None
-    generator = BlockDiffusionCandidateGenerator(
-        drafter, target, prompt, config, processors or LogitsProcessorList(), controller=controller
-    )
-    generator.get_candidates(prompt, is_first_iteration=True)
-    return generator
+from .replay import replay_decoder
 
 
 def replay_block_size(
@@ -79,19 +58,11 @@ def replay_block_size(
     `hidden_states` tuple from one forward over it. Each round hands the generator the states of the tokens
     verified since the last one, as the decoding loop does (the first round: the prompt's, i.e. the prefill).
     """
-    generator = _replay_generator(target, drafter, sequence[:, :prompt_len], controller, max_new_tokens, eos_token_ids)
-    cur = prompt_len + 1  # prefill commits the first token
-    generator.update_candidate_strategy(sequence[:, :cur], None, 0)
-    while cur < sequence.shape[1]:
-        seen = generator.cache.get_seq_length()
-        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen : cur - 1] for h in hidden_states))
-        candidates, _ = generator.get_candidates(sequence[:, :cur], model_outputs=outputs)
-        drafts = candidates[0, cur:]
-        truth = sequence[0, cur : cur + drafts.numel()]
-        matches = int((drafts[: truth.numel()] == truth).int().cumprod(0).sum())
-        cur = min(cur + matches + 1, sequence.shape[1])
-        generator.update_candidate_strategy(sequence[:, :cur], None, matches)
-    return generator.stats
+    decoder = replay_decoder(
+        target, drafter, hidden_states, sequence, prompt_len, controller, max_new_tokens, eos_token_ids
+    )
+    decoder.run()
+    return decoder.call_stats
 
 
 def expected_sampled_stats(
@@ -121,28 +92,33 @@ def expected_sampled_stats(
     visits committed lengths, not histories. A `RoundRecorder(..., soft=True)` receives each round's α.
     """
     n = sequence.shape[1]
-    generator = _replay_generator(
-        target, drafter, sequence[:, :prompt_len], controller, max_new_tokens, eos_token_ids, processors
-    )
     target_probs = {}  # position -> the target's processed next-token distribution there
     survival = {}  # committed length c -> P(at least j drafts accepted), j = 1..k
     round_ms = {}  # committed length c -> modeled latency of the round drafted there
-    for cur in range(prompt_len + 1, n):
-        generator.update_candidate_strategy(sequence[:, :cur], None, 0)
-        seen = generator.cache.get_seq_length()
-        outputs = SimpleNamespace(hidden_states=tuple(h[:, seen : cur - 1] for h in hidden_states))
-        _, draft_logits = generator.get_candidates(sequence[:, :cur], model_outputs=outputs)
-        k = 0 if draft_logits is None else min(draft_logits.shape[1], n - cur)  # drafts past the end never count
+
+    def on_round(cur: int, width: int, draft_logits: torch.Tensor) -> list[float]:
+        k = min(draft_logits.shape[0], n - cur)  # drafts past the end never count
         for pos in range(cur - 1, cur - 1 + k):
             if pos not in target_probs:
                 target_probs[pos] = processors(sequence[:, : pos + 1], target_logits[:, pos].float())[0].softmax(-1)
         p = torch.stack([target_probs[pos] for pos in range(cur - 1, cur - 1 + k)]) if k else None
-        alpha = torch.minimum(p, draft_logits[0, :k].softmax(-1)).sum(-1) if k else torch.zeros(0)
-        survival[cur] = alpha.clamp(max=1.0).cumprod(0).tolist()
-        if isinstance(generator.controller, RoundRecorder):
-            generator.controller.record_expected(alpha.clamp(max=1.0).tolist())
-        verified = 0 if draft_logits is None else draft_logits.shape[1]
-        round_ms[cur] = cost.modeled_round_ms(generator.stats.widths_per_round[-1], verified, 1.0) if cost else 0.0
+        alpha = torch.minimum(p, draft_logits[:k].softmax(-1)).sum(-1).clamp(max=1.0) if k else torch.zeros(0)
+        survival[cur] = alpha.cumprod(0).tolist()
+        round_ms[cur] = cost.modeled_round_ms(width, draft_logits.shape[0], 1.0) if cost else 0.0
+        return alpha.tolist()
+
+    replay_decoder(
+        target,
+        drafter,
+        hidden_states,
+        sequence,
+        prompt_len,
+        controller,
+        max_new_tokens,
+        eos_token_ids,
+        processors,
+        on_round,
+    ).run()
     rounds, ms = [0.0] * (n + 1), [0.0] * (n + 1)
     for cur in range(n - 1, prompt_len, -1):
         at_least = [1.0] + survival[cur] + [0.0]

@@ -4,21 +4,14 @@
 
 `drafter` is a `hf_blockpilot.BlockDiffusionDrafter` (e.g. `BlockDiffusionDrafter.from_pretrained(
 "z-lab/Qwen3-4B-DFlash-b16")`); `draft_controller=` optionally steers the width per round. The decoding loop is
-hf-blockpilot's (`hf_blockpilot.generate`, reached through Transformers' callable `custom_generate`).
+hf-blockpilot's (`hf_blockpilot.generate`, reached through Transformers' callable `custom_generate`); streamers,
+stop strings and every other `generate` argument work as with `generate(assistant_model=drafter)`.
 """
 
-import hf_blockpilot
+from hf_blockpilot.routing import generate_with_drafter
 
 
-def generate(model, assistant_model=None, drafter=None, draft_controller=None, streamer=None, **kwargs):
-    if streamer is not None:
-        raise ValueError(
-            "this custom_generate repo does not stream: call generate(assistant_model=drafter, streamer=...) after "
-            "`import hf_blockpilot` instead"
-        )
-    return model.generate(
-        custom_generate=hf_blockpilot.generate,
-        drafter=assistant_model if assistant_model is not None else drafter,
-        draft_controller=draft_controller,
-        **kwargs,
+def generate(model, assistant_model=None, drafter=None, **kwargs):
+    return generate_with_drafter(
+        model, assistant_model=assistant_model if assistant_model is not None else drafter, **kwargs
     )
