@@ -320,8 +320,11 @@ class BatchedSpeculativeDecoder:
         model_kwargs: dict[str, Any],
         hidden_states_to_keep: bool | list[int],
         streamer: Any = None,
+        plain_target: PreTrainedModel | None = None,
+        prompt_lookup: bool = False,
     ):
         self.target, self.drafter = target, drafter
+        self.plain_target = target if plain_target is None else plain_target
         self.streamer = streamer
         self.guard = guard
         self.device = input_ids.device
@@ -353,6 +356,7 @@ class BatchedSpeculativeDecoder:
         self.input_ids = input_ids
         host_ids, host_mask = input_ids.cpu(), self.prompt_mask.cpu()  # once per call (counted below)
         self.padded = not bool(host_mask.all())
+        self.single = input_ids.shape[0] == 1 and not self.padded  # one unpadded row: decoded as plain decodes one
         self.rows: list[_Row] = []
         for i, controller in enumerate(controllers):
             first_real = int(host_mask[i].argmax()) if bool(host_mask[i].any()) else input_ids.shape[1]
@@ -361,7 +365,7 @@ class BatchedSpeculativeDecoder:
                 controller=(guard or controller).describe(),  # the guard's description names what it wraps
                 cost_model_source=controller.cost_model.source if controller.cost_model else "",
             )
-            lookup = NgramLookup() if drafter.prompt_lookup else None
+            lookup = NgramLookup() if prompt_lookup else None
             self.rows.append(_Row(i, controller, stats, host_ids[i : i + 1], lookup, first_real))
         self.returned = ReturnedSteps(generation_config) if ReturnedSteps.wanted(generation_config) else None
         self.stats = BatchSpeculationStats(
@@ -464,7 +468,7 @@ class BatchedSpeculativeDecoder:
         self.next_position = self.next_position + accepted + 1
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
         # a single row keeps only its committed tokens' states, so its drafter runs unmasked, as drafted alone
-        kept_slots = host[0][0] + 1 if self.plan.single else widest + 1
+        kept_slots = host[0][0] + 1 if self.single else widest + 1
         kept = slots[None, :kept_slots] <= accepted[:, None]
         self._keep_context(outputs, kept, positions[:, :kept_slots])
         if self.guard is not None:  # the batch's round, as the mean row's
@@ -558,7 +562,7 @@ class BatchedSpeculativeDecoder:
         block_ids[:, 0] = self.anchor
         block_positions = self.next_position[:, None] + torch.arange(width, device=self.device)[None, :]
         mask = None  # one unpadded row sees all its context and slots: the drafter's own masks (its causal layers)
-        if not self.plan.single:
+        if not self.single:
             self.context_valid = torch.cat([self.context_valid, valid], dim=1)
             slot_visible = (
                 torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
@@ -587,7 +591,7 @@ class BatchedSpeculativeDecoder:
     def _extend_draft_context(self) -> None:
         """Rounds drafted by prompt lookup alone: the drafter only takes in the new context."""
         hidden, valid, positions = self._take_pending()
-        if not self.plan.single:
+        if not self.single:
             self.context_valid = torch.cat([self.context_valid, valid], dim=1)
         self.drafter.extend_context(hidden, positions, self.draft_cache)
 
@@ -647,10 +651,14 @@ class BatchedSpeculativeDecoder:
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep_logits: int, keep_states: bool = True
     ) -> Any:
         """One target forward; `keep_states`: return the hidden states the drafter reads (the call's own request
-        for them is always served)."""
+        for them is always served). A single row's plain steps that return no hidden states or attentions are plain
+        decoding's own forwards, so `plain_target` (the stock model, not the call's verify-kernel view) runs them;
+        the rest run the view, where the hooks Transformers attaches to capture outputs stay."""
         states = self.hidden_states_to_keep if keep_states or self.config.output_hidden_states else False
         attentions = {"output_attentions": True} if self.config.output_attentions else {}
-        outputs = self.target(
+        stock = self.single and ids.shape[1] == 1 and not states and not attentions
+        model = self.plain_target if stock else self.target
+        outputs = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,

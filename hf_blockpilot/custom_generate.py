@@ -36,13 +36,24 @@ def generate(
     drafter: BlockDiffusionDrafter | None = None,
     draft_controller: DraftController | int | None = None,
     stream: BaseStreamer | None = None,
+    prompt_lookup: bool | None = None,
+    calibrate: bool | None = None,
+    cpu_kernels: bool = True,
     **model_kwargs: Any,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """The decoding loop `model.generate(custom_generate=hf_blockpilot.generate, drafter=drafter)` runs:
-    lossless speculative decoding with `drafter` and `draft_controller` (default: the drafter's policy under the
-    speculation guard), streaming one row to `stream` if given. Returns the sequences, or with
-    `return_dict_in_generate=True` an output carrying them (and the scores, logits, attentions or hidden states
-    asked for, one row) and this call's `speculation_stats`."""
+    lossless speculative decoding with `drafter`, streaming one row to `stream` if given. This call's settings
+    (the drafter's attributes and the environment are only their defaults):
+
+    - `draft_controller`: widths and verify budgets (default: the drafter's policy under the speculation guard);
+    - `prompt_lookup`: draft repeated text by lookup (default `drafter.prompt_lookup`);
+    - `calibrate`: weigh this machine's measured costs, calibrating once if needed (default: on unless
+      `HF_BLOCKPILOT_CALIBRATE=0`); off, the shipped fallback table;
+    - `cpu_kernels`: the CPU verify kernels the calibration found exact and faster (off: stock kernels; the
+      exact verify path stays).
+
+    Returns the sequences, or with `return_dict_in_generate=True` an output carrying them (and the scores, logits,
+    attentions or hidden states asked for, one row) and this call's `speculation_stats`."""
     if not isinstance(drafter, BlockDiffusionDrafter):
         raise TypeError(
             "custom_generate=hf_blockpilot.generate drafts with drafter=<BlockDiffusionDrafter> (Transformers passes "
@@ -54,8 +65,9 @@ def generate(
     rows = input_ids.shape[0]
     mask = model_kwargs.get("attention_mask")
     unpadded = mask is None or bool(mask.all())  # once per call
-    controller = prepare_controller(model, drafter, draft_controller, rows)
-    view, end_kernels = use_verify_kernels(model, controller.cost_model.kernel_rows, unpadded, rows)
+    controller = prepare_controller(model, drafter, draft_controller, rows, calibrate)
+    kernel_rows = controller.cost_model.kernel_rows if cpu_kernels else ()
+    view, end_kernels = use_verify_kernels(model, kernel_rows, unpadded, rows)
     try:
         decoder = build_decoder(
             view,
@@ -68,6 +80,8 @@ def generate(
             stream,
             model_kwargs,
             single=rows == 1 and unpadded,
+            plain_target=model,
+            prompt_lookup=drafter.prompt_lookup if prompt_lookup is None else bool(prompt_lookup),
         )
         sequences = decoder.run()
     finally:
@@ -85,14 +99,17 @@ def prepare_controller(
     drafter: BlockDiffusionDrafter,
     controller: DraftController | int | None,
     batch_size: int = 1,
+    calibrate: bool | None = None,
 ) -> DraftController:
     """This request's own controller (`resolve_controller`), checked against the pair and given the device's
-    costs (`resolve_cost_model`: its own, else this machine's calibration, else the shipped fallback; with its
-    batch axis measured at `batch_size` for a batched call)."""
+    costs (`resolve_cost_model`: its own, else this machine's calibration unless `calibrate` is off, else the
+    shipped fallback; with its batch axis measured at `batch_size` for a batched call)."""
     drafter.check_compatible(target)
     prepared = resolve_controller(drafter, controller).for_request()
     prepared.check_compatible(target, drafter)
-    cost = resolve_cost_model(target, drafter, prepared.cost_model, prepared.max_width(), batch_size=batch_size)
+    cost = resolve_cost_model(
+        target, drafter, prepared.cost_model, prepared.max_width(), batch_size=batch_size, calibrate=calibrate
+    )
     if cost.inexact_rows:
         warnings.warn(
             f"hf-blockpilot: {cost.source}: verify forwards over {cost.inexact_rows} tokens do not give the logits "
@@ -134,10 +151,13 @@ def build_decoder(
     model_kwargs: dict[str, Any],
     single: bool,
     decoder_class: type[BatchedSpeculativeDecoder] | None = None,
+    plain_target: PreTrainedModel | None = None,
+    prompt_lookup: bool | None = None,
 ) -> BatchedSpeculativeDecoder:
     """The decoder (a `decoder_class`, default `BatchedSpeculativeDecoder`) of one call's rows with its prepared
     `controller` (`prepare_controller`), after checking that the loop serves the call (`single`: one unpadded row,
-    `check_batched_call`)."""
+    `check_batched_call`); `plain_target`: the stock model where `target` is the call's verify-kernel view;
+    `prompt_lookup`: default `drafter.prompt_lookup`."""
     check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, single)
     batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
     # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
@@ -159,6 +179,8 @@ def build_decoder(
         model_kwargs,
         hidden_states_to_keep(drafter, controller, bool(generation_config.output_hidden_states)),
         streamer,
+        plain_target,
+        drafter.prompt_lookup if prompt_lookup is None else prompt_lookup,
     )
     drafter.last_stats = decoder.call_stats
     return decoder

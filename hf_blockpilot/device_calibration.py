@@ -462,19 +462,20 @@ def resolve_cost_model(
     given: CostModel | None = None,
     max_width: int = max(DEFAULT_WIDTHS),
     batch_size: int = 1,
+    calibrate: bool | None = None,
 ) -> CostModel:
     """The cost model every speed decision of a request uses (the one resolution path):
 
-    `given` if one was passed; with calibration off (`HF_BLOCKPILOT_CALIBRATE=0`) the shipped table for the
-    device (a fallback); else this machine's calibration for the pair, from this process, the cache, or
-    measured now (a few seconds, once, with a progress line) and cached. `max_width`: the widest block the
-    caller may draft (a cached calibration narrower than it is re-measured wider). `batch_size` > 1: the
-    calibration also holds the batch axis at that size (timed once and cached, see `CostModel.for_batch`).
-    """
+    `given` if one was passed; with calibration off (`calibrate=False`, or by default `HF_BLOCKPILOT_CALIBRATE=0`)
+    the shipped table for the device (a fallback); else this machine's calibration for the pair, from this
+    process, the cache, or measured now (a few seconds, once, with a progress line) and cached. `max_width`: the
+    widest block the caller may draft (a cached calibration narrower than it is re-measured wider). `batch_size`
+    > 1: the calibration also holds the batch axis at that size (timed once and cached, see
+    `CostModel.for_batch`)."""
     if given is not None:
         return given
     device = next(target.parameters()).device
-    if not calibration_enabled():
+    if not (calibration_enabled() if calibrate is None else calibrate):
         return CostModel.default_for(device)
     key = fingerprint_key(device_fingerprint(target, drafter))
     while True:  # one thread measures a pair; others asking for it wait for that, nobody else does

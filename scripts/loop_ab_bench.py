@@ -5,7 +5,8 @@
 
 The old tree's `hf_blockpilot` is imported as `hf_blockpilot_old` (its imports are relative) before this tree's,
 so each package routes calls with its own drafter class. Per dtype, the embedded pair (policy attached, prompt
-lookup off) decodes the same prompts with the default controller and with fixed b = 4 through both packages, and
+lookup off) decodes the same prompts with the default controller and with fixed widths (`--block-sizes`, default
+4) through both packages, and
 plain `generate` runs beside them, every configuration timed the same way in interleaved repeats (median of the
 repeats' summed seconds). Outputs are checked token-identical to plain `generate` in the same dtype.
 """
@@ -31,10 +32,12 @@ def import_old(tree: Path):
     return importlib.import_module("hf_blockpilot_old")
 
 
-def decode(target, ids, drafter, controller, gen: dict) -> torch.Tensor:
+def decode(target, ids, config: tuple, gen: dict) -> torch.Tensor:
+    """`config`: (the `generate` to call, the drafter or None, the draft controller)."""
+    entry, drafter, controller = config
     if drafter is None:
-        return target.generate(ids, **gen)
-    return target.generate(ids, assistant_model=drafter, draft_controller=controller, **gen)
+        return entry(target, ids, **gen)
+    return entry(target, ids, assistant_model=drafter, draft_controller=controller, **gen)
 
 
 def main() -> int:
@@ -44,6 +47,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4, help="per set (HumanEval and MT-Bench)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=[4], help="fixed widths timed beside the default")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -64,25 +68,27 @@ def main() -> int:
         for name, package in (("old", old), ("new", new)):
             loading = importlib.import_module(f"{package.__name__}.tools.loading")
             drafter = loading.resolve_drafter(None, dtype=dtype)
-            drafter.set_policy(loading.resolve_policy(None, prompt_lookup=False))
+            drafter.set_policy(loading.resolve_policy("default", prompt_lookup=False))
             pairs[name] = drafter
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-        configs = {"plain": (None, None)}
+        # each package's own entry: the old wrapper sees the old drafter class, the newest wrapper the new one
+        entries = {"old": old.candidate_generator._generate, "new": type(target).generate}
+        configs = {"plain": (type(target).generate, None, None)}
         for name, drafter in pairs.items():
-            for label, controller in (("default", None), ("b=4", 4)):
-                configs[f"{name} {label}"] = (drafter, controller)
-        expected = [decode(target, ids, None, None, gen) for ids in prompts]  # also warms up
-        for name, (drafter, controller) in configs.items():  # warm-up and exactness
+            for label, controller in [("default", None)] + [(f"b={b}", b) for b in args.block_sizes]:
+                configs[f"{name} {label}"] = (entries[name], drafter, controller)
+        expected = [decode(target, ids, configs["plain"], gen) for ids in prompts]  # also warms up
+        for name, config in configs.items():  # warm-up and exactness
             for ids, want in zip(prompts, expected, strict=True):
-                if not torch.equal(decode(target, ids, drafter, controller, gen), want):
+                if not torch.equal(decode(target, ids, config, gen), want):
                     print(f"{dtype} {name}: output differs from plain generate", file=sys.stderr)
                     report.setdefault("mismatches", []).append(f"{dtype} {name}")
         seconds = {name: [] for name in configs}
         for _ in range(args.repeats):
-            for name, (drafter, controller) in configs.items():
+            for name, config in configs.items():
                 start = time.perf_counter()
                 for ids in prompts:
-                    decode(target, ids, drafter, controller, gen)
+                    decode(target, ids, config, gen)
                 seconds[name].append(time.perf_counter() - start)
         medians = {name: statistics.median(values) for name, values in seconds.items()}
         for name, value in medians.items():

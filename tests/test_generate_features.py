@@ -11,6 +11,7 @@ import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_drafter, make_target
 from transformers.generation.streamers import BaseStreamer
 
+from hf_blockpilot import DraftController
 from hf_blockpilot.batched import BatchedSpeculativeDecoder
 
 VOCAB, HIDDEN = 48, 64  # vocab <= hidden lets ScriptedDrafter invert the LM head exactly
@@ -273,3 +274,45 @@ def test_each_call_returns_its_own_statistics_also_from_concurrent_threads():
         assert stats.accepted_per_round == sequential[i].speculation_stats.accepted_per_round
     plain = target.generate(prompts[0], max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     assert not hasattr(plain, "speculation_stats")  # plain generate is untouched
+
+
+def test_settings_travel_with_the_call_and_leave_the_drafter_unchanged(target, monkeypatch):
+    """`prompt_lookup`, `calibrate` and `cpu_kernels` are this call's: the drafter's attribute and the environment
+    are only their defaults."""
+    import hf_blockpilot.custom_generate as custom_generate_module
+    from hf_blockpilot.costs import CostModel
+
+    prompt = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(5)).repeat(1, 3)
+    expected = _gen(target, prompt)
+    drafter = make_drafter(target, block_size=4)
+    assert not drafter.prompt_lookup
+    seen_rows = []
+    use = custom_generate_module.use_verify_kernels
+    monkeypatch.setattr(
+        custom_generate_module,
+        "use_verify_kernels",
+        lambda model, rows, *args: seen_rows.append(tuple(rows)) or use(model, rows, *args),
+    )
+    kernels = CostModel(target_ms={1: 10.0, 4: 11.0}, drafter_ms={4: 1.0}, kernel_rows=[2, 3, 4])
+    controller = DraftController(4)
+    controller.use_cost_model(kernels)
+    out = _gen(target, prompt, assistant_model=drafter, prompt_lookup=True, draft_controller=controller)
+    assert torch.equal(out, expected) and drafter.last_stats.lookup_rounds > 0 and not drafter.prompt_lookup
+    assert _gen(target, prompt, assistant_model=drafter).shape == expected.shape
+    assert drafter.last_stats.lookup_rounds == 0  # the next call takes the drafter's default again
+    _gen(target, prompt, assistant_model=drafter, draft_controller=controller, cpu_kernels=False)
+    assert seen_rows[0] == (2, 3, 4) and seen_rows[2] == ()
+    monkeypatch.setenv("HF_BLOCKPILOT_CALIBRATE", "1")  # on by default, off for this call: no calibration runs
+    monkeypatch.setattr(custom_generate_module, "resolve_cost_model", _refuse_calibration(custom_generate_module))
+    assert torch.equal(_gen(target, prompt, assistant_model=drafter, calibrate=False), expected)
+    assert "fallback" in drafter.last_stats.cost_model_source
+
+
+def _refuse_calibration(module):
+    resolve = module.resolve_cost_model
+
+    def checked(*args, calibrate=None, **kwargs):
+        assert calibrate is False, "the call's calibrate=False did not reach the cost model"
+        return resolve(*args, calibrate=calibrate, **kwargs)
+
+    return checked

@@ -55,8 +55,7 @@ def replay_block_size(
     states over `sequence`.
 
     `sequence` (1, n) is prompt + the target's greedy continuation; `hidden_states` the target's
-    `hidden_states` tuple from one forward over it. Each round hands the generator the states of the tokens
-    verified since the last one, as the decoding loop does (the first round: the prompt's, i.e. the prefill).
+    `hidden_states` tuple from one forward over it: `generate`'s own loop runs on them (`replay_decoder`).
     """
     decoder = replay_decoder(
         target, drafter, hidden_states, sequence, prompt_len, controller, max_new_tokens, eos_token_ids
