@@ -174,9 +174,14 @@ class RaggedLayer(DynamicLayer):
         end = self.plan.end
         if end > self.keys.shape[-2]:  # room for as much again: growth stays rare
             self.keys, self.values = (self._grown(stored, 2 * end) for stored in (self.keys, self.values))
-        rows, slots = self.plan.row_index, self.plan.write_index  # (rows, 1), (rows, slots)
-        self.keys.transpose(1, 2)[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values.transpose(1, 2)[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+        if self.plan.single:  # one row's slots are one run: a plain copy, no index tensors on the hot path
+            start = self.plan.host_lengths[0]
+            self.keys[..., start : start + key_states.shape[-2], :] = key_states
+            self.values[..., start : start + value_states.shape[-2], :] = value_states
+        else:
+            rows, slots = self.plan.row_index, self.plan.write_index  # (rows, 1), (rows, slots)
+            self.keys.transpose(1, 2)[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+            self.values.transpose(1, 2)[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     @staticmethod
@@ -197,10 +202,10 @@ class RaggedCache:
     then its committed tokens); per forward, where each row's slots are written and the 4-D mask that lets slot i
     of row r see the row's real keys up to its own position. Masked keys past a row's length hold stale slots."""
 
-    def __init__(self, prompt_mask: torch.Tensor, padded: bool):
+    def __init__(self, prompt_mask: torch.Tensor, padded: bool, single: bool):
         self.key_valid = prompt_mask  # (rows, prompt width): the prompt's padding is never attended to
         self.padded = padded  # whether any prompt of the call is padded (plain decoding then passes a mask)
-        self.single = prompt_mask.shape[0] == 1 and not padded  # one row: its mask is plain decoding's
+        self.single = single  # one unpadded row: its mask is plain decoding's
         self.lengths = torch.full((prompt_mask.shape[0],), prompt_mask.shape[1], device=prompt_mask.device)
         self.host_lengths = [prompt_mask.shape[1]] * prompt_mask.shape[0]
         self.end = prompt_mask.shape[1]
@@ -208,9 +213,9 @@ class RaggedCache:
         self.row_index = torch.arange(prompt_mask.shape[0], device=prompt_mask.device)[:, None]
 
     @classmethod
-    def convert(cls, cache: Any, prompt_mask: torch.Tensor, padded: bool) -> RaggedCache:
+    def convert(cls, cache: Any, prompt_mask: torch.Tensor, padded: bool, single: bool) -> RaggedCache:
         """Turn the layers of a prefilled Transformers cache into `RaggedLayer`s following one plan."""
-        plan = cls(prompt_mask, padded)
+        plan = cls(prompt_mask, padded, single)
         cache.layers = [RaggedLayer(layer.keys, layer.values, plan) for layer in cache.layers]
         plan.cache = cache
         return plan
@@ -394,7 +399,7 @@ class BatchedSpeculativeDecoder:
         prefill = self._forward(self.input_ids, self.positions.masked_fill(prompt_mask == 0, 0), prompt_mask, 1)
         self._keep_context(prefill, prompt_mask.bool(), self.positions)
         self.next_position = self.positions[:, -1] + 1
-        self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded)
+        self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded, self.single)
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
             row.stats.policy_seconds, row.stats.policy_probs = (
@@ -411,7 +416,7 @@ class BatchedSpeculativeDecoder:
         if self.guard is not None:
             self.guard.begin(self.temperature, width if pays else 1)
         # decided once: a batch none of whose rows drafts again decodes plain, keeping no drafter context
-        self.plain = self.batch_plain or max(self._controllers_max_width()) <= 1
+        self.plain = self.batch_plain or not self._may_draft_again()
         if self.plain:
             self.pending = []
         for row in self.rows:
@@ -428,11 +433,11 @@ class BatchedSpeculativeDecoder:
             self.streamer.end()
         return self._sequences()
 
-    def _controllers_max_width(self) -> list[int]:
-        """The widest block each row may still draft (1 for every row where the guard decided on plain decoding)."""
+    def _may_draft_again(self) -> bool:
+        """Whether any row may still draft (no row does where the guard decided on plain decoding)."""
         if self.guard is not None and self.guard.max_width() <= 1:
-            return [1]
-        return [row.controller.max_width() for row in self.rows]
+            return False
+        return any(row.controller.max_width() > 1 for row in self.rows)
 
     def _batch_width(self) -> tuple[int, float | None]:
         """The width the batch drafts next, and its predicted speedup over plain batched steps. Where every row's
@@ -463,7 +468,8 @@ class BatchedSpeculativeDecoder:
             outputs = self._forward(block, positions, self.plan.prepare(widest + 1), widest + 1)
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
-        logits = self._process(outputs.logits[:, -(widest + 1) :].float(), block)
+        raw = outputs.logits[:, -(widest + 1) :]
+        logits = self._process(raw.float(), block)
         accepted, tokens = self._accept(block[:, 1:], None if widest == 0 else draft_logits[:, :widest], logits, keep)
         self.next_position = self.next_position + accepted + 1
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
@@ -476,8 +482,7 @@ class BatchedSpeculativeDecoder:
         # a row's rejected drafts and padding lie past its new length: the next round writes over them
         self.plan.advance(accepted + 1, [n + 1 for n, *_ in host])
         self.anchor = tokens.gather(1, accepted[:, None])[:, 0]
-        verified = Verified(logits, outputs.logits[:, -(widest + 1) :], outputs)
-        self._commit([toks[: n + 1] for n, *toks in host], [n for n, *_ in host], verified)
+        self._commit([toks[: n + 1] for n, *toks in host], [n for n, *_ in host], Verified(logits, raw, outputs))
 
     def _accept(
         self, drafts: torch.Tensor, draft_logits: torch.Tensor | None, logits: torch.Tensor, keep: torch.Tensor
