@@ -480,10 +480,14 @@ def call_view(model: nn.Module) -> nn.Module:
     own = copy.copy(config)
 
     def view_of(module: nn.Module) -> nn.Module:
-        view = copy.copy(module)
-        for name, value in view.__dict__.items():
-            if type(value) in (dict, OrderedDict, set):
-                view.__dict__[name] = copy.copy(value)
+        cls = type(module)
+        view = cls.__new__(cls)  # what `copy.copy` makes of a module (its default reduce), without the detour
+        view.__dict__.update(
+            {
+                name: value.copy() if type(value) in (dict, OrderedDict, set) else value
+                for name, value in vars(module).items()
+            }
+        )
         view._modules = {name: None if child is None else view_of(child) for name, child in module._modules.items()}
         if config is not None and getattr(module, "config", None) is config:
             view.config = own
