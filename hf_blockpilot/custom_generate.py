@@ -81,7 +81,7 @@ def generate(
             model_kwargs,
             single=rows == 1 and unpadded,
             plain_target=model,
-            prompt_lookup=drafter.prompt_lookup if prompt_lookup is None else bool(prompt_lookup),
+            prompt_lookup=prompt_lookup,
         )
         sequences = decoder.run()
     finally:
@@ -180,7 +180,7 @@ def build_decoder(
         hidden_states_to_keep(drafter, controller, bool(generation_config.output_hidden_states)),
         streamer,
         plain_target,
-        drafter.prompt_lookup if prompt_lookup is None else prompt_lookup,
+        drafter.prompt_lookup if prompt_lookup is None else bool(prompt_lookup),
     )
     drafter.last_stats = decoder.call_stats
     return decoder
