@@ -18,10 +18,12 @@ inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
 
 with hf_blockpilot.cpu_verify_kernels(target, drafter):  # fast few-token verify forwards on CPU (README)
     plain = target.generate(**inputs, max_new_tokens=96, do_sample=False)
-    fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False)
-assert torch.equal(plain, fast), "greedy block-diffusion decoding must equal plain generate"
-print(tokenizer.decode(fast[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-stats = drafter.last_stats
+    fast = target.generate(
+        **inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False, return_dict_in_generate=True
+    )
+assert torch.equal(plain, fast.sequences), "greedy block-diffusion decoding must equal plain generate"
+print(tokenizer.decode(fast.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+stats = fast.speculation_stats  # this call's own statistics
 print(
     f"block size {stats.block_size}, tau {stats.tau:.2f}, "
     f"{stats.target_forwards} target forwards for {stats.new_tokens} tokens"

@@ -27,6 +27,8 @@ messages = [{"role": "user", "content": "Implement binary search in Python and e
 inputs = tokenizer.apply_chat_template(
     messages, add_generation_prompt=True, return_tensors="pt", return_dict=True, enable_thinking=False
 ).to(device)
-out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=512, do_sample=False)
-print(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-print(drafter.last_stats.to_dict())
+out = target.generate(
+    **inputs, assistant_model=drafter, max_new_tokens=512, do_sample=False, return_dict_in_generate=True
+)
+print(tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+print(out.speculation_stats.to_dict())

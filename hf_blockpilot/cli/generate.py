@@ -38,10 +38,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature > 0:
         gen["temperature"] = args.temperature
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out, seconds = timed_generate(target, input_ids, drafter, streamer=streamer, draft_controller=controller, **gen)
+    out, seconds, stats = timed_generate(
+        target, input_ids, drafter, streamer=streamer, draft_controller=controller, **gen
+    )
     if args.no_stream:
         print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
-    stats = drafter.last_stats
     device = describe_device(target.device)
     result = {
         "device": f"{device['name']} ({' '.join(device['flags']) or 'no listed matmul flags'})",

@@ -138,7 +138,12 @@ def decode_batches(
     """Decode each batch (`input_ids` + `attention_mask`, left padded) with both sides, and plain decoding with
     each of `other_plains` (copies of the target in other dtypes, by name), and summarize; see
     `run_batch_benchmark` for how they are timed and counted."""
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, pad_token_id=pad_token_id)
+    gen = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        pad_token_id=pad_token_id,
+        return_dict_in_generate=True,
+    )
     if temperature > 0:
         gen["temperature"] = temperature
     sides = {"plain": (target, {}), "ours": (target, {"assistant_model": drafter})}
@@ -153,7 +158,7 @@ def decode_batches(
         for _ in range(repeats):  # interleaved: a slow spell of a noisy host hits every side alike
             for side, (model, extra) in sides.items():
                 out, seconds = timed_call(partial(model.generate, **batch, **extra, **gen), model)
-                runs[side].append((seconds, out, drafter.last_stats if side == "ours" else None))
+                runs[side].append((seconds, out.sequences, getattr(out, "speculation_stats", None)))
         medians = {side: sorted(runs[side], key=lambda run: run[0])[repeats // 2] for side in sides}
         (plain_seconds, plain_out, _), (ours_seconds, ours_out, stats) = (medians[side] for side in SIDES)
         prompt_length = batch["input_ids"].shape[1]

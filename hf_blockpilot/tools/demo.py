@@ -33,7 +33,8 @@ BONUS_STYLE = "text-decoration: underline; font-weight: 600"
 
 class RoundStreamer(BaseStreamer):
     """Receives one `put` per verify round (the tokens that round committed) and queues them; `stats` is the
-    request's statistics as they fill in (`drafter.last_stats`, read in the decoding thread: it is per thread)."""
+    request's statistics as they fill in (`drafter.last_stats`, read in the decoding thread, the one the call's
+    statistics are its latest in)."""
 
     def __init__(self, drafter: BlockDiffusionDrafter | None = None) -> None:
         self.rounds: queue.Queue = queue.Queue()
@@ -150,13 +151,15 @@ def _compare_stream(
     rounds_streamer = RoundStreamer(drafter)
     rounds: list[list[int]] = []
     start = time.perf_counter()
+    ours_out: dict = {}
     thread = _in_thread(
         target.generate,
-        {},
+        ours_out,
         inputs=input_ids,
         streamer=rounds_streamer,
         assistant_model=drafter,
         draft_controller=controller,
+        return_dict_in_generate=True,
         **gen,
     )
     while (tokens := rounds_streamer.rounds.get()) is not None:
@@ -165,7 +168,7 @@ def _compare_stream(
         yield plain_text, rounds_html(tokenizer, rounds, rounds_streamer.stats), "BlockPilot running…", probs
     thread.join()
     seconds = time.perf_counter() - start
-    stats = drafter.last_stats = rounds_streamer.stats  # this thread's latest call too: it ran on its behalf
+    stats = drafter.last_stats = ours_out["output"].speculation_stats  # this thread's latest call too
     plain_tps = (plain_out["output"].shape[1] - input_ids.shape[1]) / plain_seconds
     tps = stats.new_tokens / seconds
     probs = policy_scores(stats.policy_probs, getattr(drafter.policy, "weighs_costs", False))

@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -36,15 +36,27 @@ def timed_call(run: Callable[[], T], target: nn.Module) -> tuple[T, float]:
     return timed(run, next(target.parameters()).device)
 
 
+class TimedRun(NamedTuple):
+    """One timed `generate` call: its sequences, wall seconds and its own statistics (`None`: plain decoding)."""
+
+    sequences: torch.Tensor
+    seconds: float
+    stats: SpeculationStats | None
+
+
 def timed_generate(
     target: PreTrainedModel, input_ids: torch.Tensor, drafter: BlockDiffusionDrafter | None = None, **kwargs
-) -> tuple[torch.Tensor, float]:
-    """`generate` with wall time (`timed_call`); `drafter=None` runs plain decoding."""
+) -> TimedRun:
+    """`generate` with wall time (`timed_call`) and the call's `speculation_stats`; `drafter=None` runs plain
+    decoding."""
     mask = torch.ones_like(input_ids)
-    return timed_call(
-        lambda: target.generate(input_ids, attention_mask=mask, assistant_model=drafter, **kwargs),
+    out, seconds = timed_call(
+        lambda: target.generate(
+            input_ids, attention_mask=mask, assistant_model=drafter, return_dict_in_generate=True, **kwargs
+        ),
         target,
     )
+    return TimedRun(out.sequences, seconds, getattr(out, "speculation_stats", None))
 
 
 def native_dtypes(device: torch.device | str) -> list[torch.dtype]:
@@ -92,12 +104,12 @@ def compare_with_plain(
         ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
         for name, model in plains.items():
             plain[name].append(timed_generate(model, input_ids, **gen))
-    out, seconds = _median_run(ours)
-    plain_out, _ = _median_run(plain[own])
+    out, seconds, _ = _median_run(ours)
+    plain_out = _median_run(plain[own]).sequences
     tps = {}
     for name, runs in plain.items():
-        median_out, median_seconds = _median_run(runs)
-        tps[name] = (median_out.shape[1] - input_ids.shape[1]) / median_seconds
+        median = _median_run(runs)
+        tps[name] = (median.sequences.shape[1] - input_ids.shape[1]) / median.seconds
     ours_tps = (out.shape[1] - input_ids.shape[1]) / seconds
     fastest = max(tps, key=tps.get)
     result = {
@@ -114,8 +126,8 @@ def compare_with_plain(
     return result
 
 
-def _median_run(runs: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
-    return sorted(runs, key=lambda run: run[1])[len(runs) // 2]
+def _median_run(runs: list[TimedRun]) -> TimedRun:
+    return sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
 
 
 @dataclass
@@ -280,20 +292,16 @@ def decode_methods(
             timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False, draft_controller=controller)
         # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
         # all methods alike instead of whichever was being timed.
-        runs: dict[str, list] = {name: [] for name in methods}
+        runs: dict[str, list[TimedRun]] = {name: [] for name in methods}
         for _ in range(repeats):
             for name, controller in methods.items():
                 if controller is None:
-                    out, seconds = timed_generate(plains[name], input_ids, **gen)
-                    stats = None
+                    runs[name].append(timed_generate(plains[name], input_ids, **gen))
                 else:
-                    out, seconds = timed_generate(target, input_ids, drafter, draft_controller=controller, **gen)
-                    stats = drafter.last_stats
-                runs[name].append((seconds, out, stats))
+                    runs[name].append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
         plain = None
         for name in methods:
-            runs[name].sort(key=lambda run: run[0])
-            seconds, out, stats = runs[name][len(runs[name]) // 2]
+            out, seconds, stats = _median_run(runs[name])
             if name == "plain":
                 plain = out
             results.append(

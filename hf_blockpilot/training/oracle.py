@@ -329,14 +329,14 @@ def check_replay_against_decoding(
         replay_seconds += time.perf_counter() - start
         for b in candidates:
             if b == 1:
-                _, seconds = timed_generate(target, input_ids, max_new_tokens=max_new_tokens, do_sample=False)
-                decode_seconds += seconds
+                decode_seconds += timed_generate(
+                    target, input_ids, max_new_tokens=max_new_tokens, do_sample=False
+                ).seconds
                 continue
-            out, seconds = timed_generate(
+            out, seconds, real = timed_generate(
                 target, input_ids, drafter, max_new_tokens=max_new_tokens, do_sample=False, draft_controller=b
             )
             decode_seconds += seconds
-            real = drafter.last_stats
             hidden = target(out, output_hidden_states=True).hidden_states
             sim = replay_block_size(target, drafter, hidden, out, input_ids.shape[1], b, max_new_tokens, eos_ids)
             equal += sim.accepted_per_round == real.accepted_per_round and sim.tau == real.tau
