@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,8 @@ ROW_FREE_PROCESSORS = (
 )
 #: Stopping criteria the loop applies in its own way (any other is called per row and per committed token).
 HANDLED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
+#: A compiled call's static cache holds a multiple of this many slots (`static_capacity`).
+CAPACITY_STEP = 256
 #: Model inputs a batched call may carry besides `input_ids` (the loop builds masks and positions itself).
 KNOWN_MODEL_KWARGS = {"attention_mask", "cache", "past_key_values", "use_cache", "position_ids", "logits_to_keep"}
 
@@ -171,6 +174,9 @@ class RaggedLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.plan.static:  # fixed shapes (a compiled forward): no host ints read, the whole storage returned
+            self._write_at_index(key_states, value_states)
+            return self.keys, self.values
         end = self.plan.end
         if end > self.keys.shape[-2]:  # room for as much again: growth stays rare
             self.keys, self.values = (self._grown(stored, 2 * end) for stored in (self.keys, self.values))
@@ -179,10 +185,13 @@ class RaggedLayer(DynamicLayer):
             self.keys[..., start : start + key_states.shape[-2], :] = key_states
             self.values[..., start : start + value_states.shape[-2], :] = value_states
         else:
-            rows, slots = self.plan.row_index, self.plan.write_index  # (rows, 1), (rows, slots)
-            self.keys.transpose(1, 2)[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
-            self.values.transpose(1, 2)[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+            self._write_at_index(key_states, value_states)
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _write_at_index(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, slots = self.plan.row_index, self.plan.write_index  # (rows, 1), (rows, slots)
+        self.keys.transpose(1, 2)[rows, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values.transpose(1, 2)[rows, slots] = value_states.transpose(1, 2).to(self.values.dtype)
 
     @staticmethod
     def _grown(stored: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -200,12 +209,15 @@ class RaggedLayer(DynamicLayer):
 class RaggedCache:
     """The plan a batch's target cache follows after the prefill: per row, its length (the prompt's padded width,
     then its committed tokens); per forward, where each row's slots are written and the 4-D mask that lets slot i
-    of row r see the row's real keys up to its own position. Masked keys past a row's length hold stale slots."""
+    of row r see the row's real keys up to its own position. Masked keys past a row's length hold stale slots.
+    With a `capacity` the storage is static (allocated once, every forward sees all of it: fixed shapes)."""
 
-    def __init__(self, prompt_mask: torch.Tensor, padded: bool, single: bool):
+    def __init__(self, prompt_mask: torch.Tensor, padded: bool, single: bool, capacity: int | None = None):
         self.key_valid = prompt_mask  # (rows, prompt width): the prompt's padding is never attended to
         self.padded = padded  # whether any prompt of the call is padded (plain decoding then passes a mask)
         self.single = single  # one unpadded row: its mask is plain decoding's
+        self.capacity = capacity
+        self.static = capacity is not None
         self.lengths = torch.full((prompt_mask.shape[0],), prompt_mask.shape[1], device=prompt_mask.device)
         self.host_lengths = [prompt_mask.shape[1]] * prompt_mask.shape[0]
         self.end = prompt_mask.shape[1]
@@ -213,10 +225,15 @@ class RaggedCache:
         self.row_index = torch.arange(prompt_mask.shape[0], device=prompt_mask.device)[:, None]
 
     @classmethod
-    def convert(cls, cache: Any, prompt_mask: torch.Tensor, padded: bool, single: bool) -> RaggedCache:
-        """Turn the layers of a prefilled Transformers cache into `RaggedLayer`s following one plan."""
-        plan = cls(prompt_mask, padded, single)
-        cache.layers = [RaggedLayer(layer.keys, layer.values, plan) for layer in cache.layers]
+    def convert(
+        cls, cache: Any, prompt_mask: torch.Tensor, padded: bool, single: bool, capacity: int | None = None
+    ) -> RaggedCache:
+        """Turn the layers of a prefilled Transformers cache into `RaggedLayer`s following one plan (static ones
+        of `capacity` slots, if given)."""
+        plan = cls(prompt_mask, padded, single, capacity)
+        size = (lambda stored: RaggedLayer._grown(stored, capacity)) if capacity else (lambda stored: stored)
+        cache.layers = [RaggedLayer(size(layer.keys), size(layer.values), plan) for layer in cache.layers]
+        cache.layer_class_to_replicate = None  # every layer is there: however the cache was built, it is alike
         plan.cache = cache
         return plan
 
@@ -227,9 +244,9 @@ class RaggedCache:
         self.end = max(self.host_lengths) + slots
         offsets = torch.arange(slots, device=self.lengths.device)
         self.write_index = self.lengths[:, None] + offsets[None, :]
-        if self.single:
+        if self.single and not self.static:
             return self.lengths.new_ones(1, self.end)
-        keys = torch.arange(self.end, device=self.lengths.device)
+        keys = torch.arange(self.capacity or self.end, device=self.lengths.device)
         mask = keys[None, None, :] <= self.write_index[:, :, None]
         prompt = self.key_valid.shape[1]
         mask[:, :, :prompt] &= self.key_valid[:, None, :]
@@ -327,8 +344,12 @@ class BatchedSpeculativeDecoder:
         streamer: Any = None,
         plain_target: PreTrainedModel | None = None,
         prompt_lookup: bool = False,
+        compiled: Callable[..., Any] | None = None,
+        capacity: int | None = None,
     ):
         self.target, self.drafter = target, drafter
+        self.compiled = compiled  # the target's compiled call: every forward after the prefill, in fixed shapes
+        self.capacity = capacity  # its static cache's slots (`static_capacity`)
         self.plain_target = target if plain_target is None else plain_target
         self.streamer = streamer
         self.guard = guard
@@ -399,7 +420,7 @@ class BatchedSpeculativeDecoder:
         prefill = self._forward(self.input_ids, self.positions.masked_fill(prompt_mask == 0, 0), prompt_mask, 1)
         self._keep_context(prefill, prompt_mask.bool(), self.positions)
         self.next_position = self.positions[:, -1] + 1
-        self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded, self.single)
+        self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded, self.single, self.capacity)
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
             row.stats.policy_seconds, row.stats.policy_probs = (
@@ -464,11 +485,10 @@ class BatchedSpeculativeDecoder:
         block = self.anchor[:, None] if widest == 0 else torch.cat([self.anchor[:, None], drafts[:, :widest]], dim=1)
         block = block.masked_fill(~valid, self.pad_token_id)
         positions = self.next_position[:, None] + slots[None, :]
-        with slot_key_lengths(self.plan.host_lengths, [k + 1 for k in keeps], self.plan.padded):
-            outputs = self._forward(block, positions, self.plan.prepare(widest + 1), widest + 1)
+        outputs = self._verify(block, [k + 1 for k in keeps])
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
-        raw = outputs.logits[:, -(widest + 1) :]
+        raw = outputs.logits[:, : widest + 1]
         logits = self._process(raw.float(), block)
         accepted, tokens = self._accept(block[:, 1:], None if widest == 0 else draft_logits[:, :widest], logits, keep)
         self.next_position = self.next_position + accepted + 1
@@ -500,12 +520,11 @@ class BatchedSpeculativeDecoder:
         """One plain decoding step for a batch whose rows never draft again: one token a row, as plain `generate`
         decodes it, with no drafter context kept (so the target returns no hidden states the call did not ask for).
         """
-        block, positions = self.anchor[:, None], self.next_position[:, None]
+        block = self.anchor[:, None]
         rows = len(self.rows)
-        with slot_key_lengths(self.plan.host_lengths, [1] * rows, self.plan.padded):
-            outputs = self._forward(block, positions, self.plan.prepare(1), 1, keep_states=False)
+        outputs = self._verify(block, [1] * rows, keep_states=False)
         self.stats.verify_slots += rows
-        raw = outputs.logits[:, -1:]
+        raw = outputs.logits[:, :1]
         logits = self._process(raw.float(), block)
         self.anchor = self._pick(logits)[:, 0]
         self.next_position = self.next_position + 1
@@ -652,17 +671,34 @@ class BatchedSpeculativeDecoder:
         return rounds
 
     # --------------------------------------------------------------------------------------- verifying
+    def _verify(self, block: torch.Tensor, slots: list[int], keep_states: bool = True) -> Any:
+        """The target forward over each row's next `block` (rows, n) after the prefill, row r's first `slots[r]`
+        real."""
+        if self.compiled is not None:  # compiled graphs guard on strides too: always a fresh, contiguous block
+            block = block.clone(memory_format=torch.contiguous_format)
+        positions = self.next_position[:, None] + torch.arange(block.shape[1], device=self.device)[None, :]
+        with slot_key_lengths(self.plan.host_lengths, slots, self.plan.padded):
+            mask = self.plan.prepare(block.shape[1])
+            return self._forward(block, positions, mask, block.shape[1], keep_states, self.compiled)
+
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep_logits: int, keep_states: bool = True
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        keep_logits: int,
+        keep_states: bool = True,
+        compiled: Callable[..., Any] | None = None,
     ) -> Any:
         """One target forward; `keep_states`: return the hidden states the drafter reads (the call's own request
         for them is always served). A single row's plain steps that return no hidden states or attentions are plain
         decoding's own forwards, so `plain_target` (the stock model, not the call's verify-kernel view) runs them;
-        the rest run the view, where the hooks Transformers attaches to capture outputs stay."""
-        states = self.hidden_states_to_keep if keep_states or self.config.output_hidden_states else False
+        the rest run the view, where the hooks Transformers attaches to capture outputs stay; or `compiled`."""
+        wanted = keep_states or self.config.output_hidden_states or compiled is not None  # compiled: one graph a shape
+        states = self.hidden_states_to_keep if wanted else False
         attentions = {"output_attentions": True} if self.config.output_attentions else {}
         stock = self.single and ids.shape[1] == 1 and not states and not attentions
-        model = self.plain_target if stock else self.target
+        model = compiled or (self.plain_target if stock else self.target)
         outputs = model(
             input_ids=ids,
             attention_mask=mask,
@@ -784,6 +820,12 @@ class BatchedSpeculativeDecoder:
         """The loop's only device-to-host transfers (counted: one per round, one more for confidences)."""
         self.stats.host_syncs += 1
         return tensor.cpu()
+
+
+def static_capacity(max_length: int, max_width: int) -> int:
+    """Slots of a compiled call's static target cache: the longest row and the widest block past it, rounded up
+    to a multiple of `CAPACITY_STEP` so that prompts of similar lengths share compiled graphs."""
+    return -(-(max_length + max_width) // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def _greedy_acceptance(

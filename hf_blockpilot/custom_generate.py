@@ -12,19 +12,24 @@ is routed here (`hf_blockpilot.routing`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ._compat import SELECTION_KEEPS_POSITIONS
-from .batched import BatchedSpeculativeDecoder, check_batched_call
+from .batched import BatchedSpeculativeDecoder, check_batched_call, static_capacity
 from .controllers import DraftController, SpeculationGuard, resolve_controller
+from .costs import CostModel
 from .cpu_kernels import use_verify_kernels
-from .device_calibration import resolve_cost_model
+from .device_calibration import compiled_cost_model, resolve_cost_model
 from .modeling_block_diffusion import BlockDiffusionDrafter
+
+#: `generate(..., compile=True)`: inductor, shapes made dynamic where they vary, graph breaks allowed.
+COMPILE_CONFIG = CompileConfig(fullgraph=False, mode="default")
 
 
 def generate(
@@ -39,6 +44,7 @@ def generate(
     prompt_lookup: bool | None = None,
     calibrate: bool | None = None,
     cpu_kernels: bool = True,
+    compile: bool | CompileConfig = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """The decoding loop `model.generate(custom_generate=hf_blockpilot.generate, drafter=drafter)` runs:
@@ -51,6 +57,9 @@ def generate(
       `HF_BLOCKPILOT_CALIBRATE=0`); off, the shipped fallback table;
     - `cpu_kernels`: the CPU verify kernels the calibration found exact and faster (off: stock kernels; the
       exact verify path stays).
+    - `compile`: every target forward after the prefill runs `torch.compile`d (a `CompileConfig`, or True for
+      `COMPILE_CONFIG`) over a static cache; decisions weigh the compiled forwards' own timings, and a warning
+      says where they are probed not to round as plain decoding's steps. The first call pays the compilation.
 
     Returns the sequences, or with `return_dict_in_generate=True` an output carrying them (and the scores, logits,
     attentions or hidden states asked for, one row) and this call's `speculation_stats`."""
@@ -66,8 +75,18 @@ def generate(
     mask = model_kwargs.get("attention_mask")
     unpadded = mask is None or bool(mask.all())  # once per call
     controller = prepare_controller(model, drafter, draft_controller, rows, calibrate)
-    kernel_rows = controller.cost_model.kernel_rows if cpu_kernels else ()
-    view, end_kernels = use_verify_kernels(model, kernel_rows, unpadded, rows)
+    compiled = capacity = None
+    if compile:
+        if generation_config.output_attentions:
+            raise ValueError("compile=True returns no attentions (its static cache pads them): drop one of the two")
+        compiled = model.get_compiled_call(COMPILE_CONFIG if compile is True else compile)
+        capacity = static_capacity(generation_config.max_length, controller.max_width())
+        controller.use_cost_model(
+            compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
+        )
+    warn_if_inexact(controller.cost_model, compiled is not None)
+    kernel_rows = controller.cost_model.kernel_rows if cpu_kernels and not compile else ()
+    view, end_kernels = (model, lambda: None) if compile else use_verify_kernels(model, kernel_rows, unpadded, rows)
     try:
         decoder = build_decoder(
             view,
@@ -82,6 +101,8 @@ def generate(
             single=rows == 1 and unpadded,
             plain_target=model,
             prompt_lookup=prompt_lookup,
+            compiled=compiled,
+            capacity=capacity,
         )
         sequences = decoder.run()
     finally:
@@ -110,16 +131,25 @@ def prepare_controller(
     cost = resolve_cost_model(
         target, drafter, prepared.cost_model, prepared.max_width(), batch_size=batch_size, calibrate=calibrate
     )
-    if cost.inexact_rows:
-        warnings.warn(
-            f"hf-blockpilot: {cost.source}: verify forwards over {cost.inexact_rows} tokens do not give the logits "
-            "of plain decoding's one-token steps bit for bit on this machine, even on the exact path, so greedy "
-            "output may differ from plain `generate` in this dtype where two tokens nearly tie; decode in another "
-            "dtype (`--dtype auto` picks a lossless one) for token-identical output",
-            stacklevel=3,
-        )
     prepared.use_cost_model(cost)
     return prepared
+
+
+def warn_if_inexact(cost: CostModel, compiled: bool = False) -> None:
+    """Say where this machine's verify forwards (`compiled` ones) were probed not to round as plain decoding's
+    eager one-token steps, and what gives token-identical output instead."""
+    if cost.inexact_rows:
+        path, remedy = (
+            ("compiled", "decode without compile= (the exact eager path)")
+            if compiled
+            else ("even on the exact path", "decode in another dtype (`--dtype auto` picks a lossless one)")
+        )
+        warnings.warn(
+            f"hf-blockpilot: {cost.source}: verify forwards over {cost.inexact_rows} tokens, {path}, do not give the "
+            "logits of plain decoding's one-token steps bit for bit on this machine, so greedy output may differ "
+            f"from plain `generate` in this dtype where two tokens nearly tie; {remedy} for token-identical output",
+            stacklevel=4,
+        )
 
 
 def hidden_states_to_keep(
@@ -153,11 +183,14 @@ def build_decoder(
     decoder_class: type[BatchedSpeculativeDecoder] | None = None,
     plain_target: PreTrainedModel | None = None,
     prompt_lookup: bool | None = None,
+    compiled: Callable[..., Any] | None = None,
+    capacity: int | None = None,
 ) -> BatchedSpeculativeDecoder:
     """The decoder (a `decoder_class`, default `BatchedSpeculativeDecoder`) of one call's rows with its prepared
     `controller` (`prepare_controller`), after checking that the loop serves the call (`single`: one unpadded row,
     `check_batched_call`); `plain_target`: the stock model where `target` is the call's verify-kernel view;
-    `prompt_lookup`: default `drafter.prompt_lookup`."""
+    `prompt_lookup`: default `drafter.prompt_lookup`; `compiled`: the target's compiled call, for the forwards
+    after the prefill, over a static cache of `capacity` slots."""
     check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, single)
     batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
     # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
@@ -177,10 +210,12 @@ def build_decoder(
         logits_processor,
         stopping_criteria,
         model_kwargs,
-        hidden_states_to_keep(drafter, controller, bool(generation_config.output_hidden_states)),
+        hidden_states_to_keep(drafter, controller, bool(generation_config.output_hidden_states) or bool(compiled)),
         streamer,
         plain_target,
         drafter.prompt_lookup if prompt_lookup is None else bool(prompt_lookup),
+        compiled,
+        capacity,
     )
     drafter.last_stats = decoder.call_stats
     return decoder

@@ -15,6 +15,7 @@ Opt out with `HF_BLOCKPILOT_CALIBRATE=0` (the shipped tables are then used, name
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import statistics
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,6 +240,91 @@ class Calibration:
         return "\n".join(lines)
 
 
+#: Per target: the compiled verify costs measured for it (`compiled_cost_model`), by shapes.
+_compiled_ms: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[dict[int, float], list[int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@torch.no_grad()  # as the loop runs (inference mode would compile graphs of its own)
+def compiled_cost_model(
+    target: PreTrainedModel,
+    compiled: Callable[..., Any],
+    cost: CostModel,
+    max_width: int,
+    capacity: int,
+    repeats: int = 3,
+    context_tokens: int = 64,
+) -> CostModel:
+    """`cost` with its target forwards as `generate(..., compile=...)` runs them: `compiled` (the target's compiled
+    call) over the loop's static cache of `capacity` slots, for each width up to `max_width`: probed against plain
+    decoding's eager one-token steps (`inexact_rows`: those whose logits or cached keys/values differ bit for bit)
+    and timed. Compiles the graphs the call then runs; measured once per target and shapes."""
+    from .batched import RaggedCache
+
+    sizes = [n for n in sorted(cost.target_ms) if n <= max_width]
+    key = (capacity, tuple(sizes), str(next(target.parameters()).dtype))
+    measured = _compiled_ms.setdefault(target, {})
+    if key not in measured:
+        ids, cache, steps, plain_cache = _plain_steps(target, context_tokens, max(sizes))
+        prompt = torch.ones(1, context_tokens, dtype=torch.bool, device=ids.device)
+        plan = RaggedCache.convert(cache, prompt, padded=False, single=True, capacity=capacity)
+
+        def verify(n: int) -> Callable[[], Any]:
+            return lambda: compiled(
+                input_ids=ids[:, context_tokens : context_tokens + n].clone(memory_format=torch.contiguous_format),
+                attention_mask=plan.prepare(n),
+                position_ids=torch.arange(context_tokens, context_tokens + n, device=ids.device)[None],
+                use_cache=True,
+                output_hidden_states=True,
+                logits_to_keep=n,
+                **{cache_argument(target): cache},
+            )
+
+        inexact = [n for n in sizes if not _same_as_steps(verify(n)().logits, cache, steps, plain_cache, n)]
+        ms = interleaved_median_ms({n: verify(n) for n in sizes}, repeats, ids.device)
+        measured[key] = (ms, inexact)
+    ms, inexact = measured[key]
+    return dataclasses.replace(
+        cost,
+        target_ms=ms,
+        kernel_rows=[],
+        inexact_rows=inexact,
+        source=f"{cost.source}; target forwards timed compiled",
+    )
+
+
+def _plain_steps(
+    target: PreTrainedModel, context_tokens: int, tokens: int
+) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Plain decoding's reference: random ids, a cache of their first `context_tokens` (the next `tokens` steps
+    cropped off again), the logits of those eager one-token steps and each layer's keys/values after them."""
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, context_tokens + tokens), generator=generator).to(target.device)
+    cache = DynamicCache()
+    argument = cache_argument(target)
+    target(ids[:, :context_tokens], **{argument: cache})
+    steps = torch.cat(
+        [target(ids[:, i : i + 1], **{argument: cache}).logits for i in range(context_tokens, ids.shape[1])], 1
+    )
+    plain_cache = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    cache.crop(-tokens)
+    return ids, cache, steps, plain_cache
+
+
+def _same_as_steps(
+    logits: torch.Tensor, cache: Any, steps: torch.Tensor, plain_cache: list[tuple[torch.Tensor, torch.Tensor]], n: int
+) -> bool:
+    """Whether a forward over the next `n` tokens gave plain decoding's logits and keys/values bit for bit."""
+    end = plain_cache[0][0].shape[-2] - steps.shape[1] + n
+    return torch.equal(logits[:, :n], steps[:, :n]) and all(
+        torch.equal(layer.keys[..., :end, :], keys[..., :end, :])
+        and torch.equal(layer.values[..., :end, :], values[..., :end, :])
+        for layer, (keys, values) in zip(cache.layers, plain_cache)
+    )
+
+
 @torch.inference_mode()
 def probe_exact_verify(
     target: PreTrainedModel, widths: Iterable[int], kernel_rows: Collection[int] = (), context_tokens: int = 64
@@ -249,29 +336,15 @@ def probe_exact_verify(
     widths = sorted(n for n in set(widths) if n > 1)
     if not widths:
         return []
-    vocab = target.get_input_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (1, context_tokens + max(widths)), generator=generator).to(target.device)
-    cache = DynamicCache()
+    ids, cache, steps, plain_cache = _plain_steps(target, context_tokens, max(widths))
     argument = cache_argument(target)
-    target(ids[:, :context_tokens], **{argument: cache})
-    steps = torch.cat(
-        [target(ids[:, i : i + 1], **{argument: cache}).logits for i in range(context_tokens, ids.shape[1])], 1
-    )
-    plain_cache = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    cache.crop(-max(widths))
     inexact = []
     model, undo = use_verify_kernels(target, kernel_rows)
     try:
         for n in widths:
             with verifying():
                 logits = model(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
-            same_cache = all(
-                torch.equal(layer.keys, keys[..., : context_tokens + n, :])
-                and torch.equal(layer.values, values[..., : context_tokens + n, :])
-                for layer, (keys, values) in zip(cache.layers, plain_cache)
-            )
-            if not (same_cache and torch.equal(logits, steps[:, :n])):
+            if not _same_as_steps(logits, cache, steps, plain_cache, n):
                 inexact.append(n)
             cache.crop(-n)
     finally:

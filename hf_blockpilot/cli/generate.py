@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen["temperature"] = args.temperature
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, seconds, stats = timed_generate(
-        target, input_ids, drafter, streamer=streamer, draft_controller=controller, **gen
+        target, input_ids, drafter, streamer=streamer, draft_controller=controller, compile=args.compile, **gen
     )
     if args.no_stream:
         print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if drafter.prompt_lookup:
         result["lookup_rounds"] = stats.lookup_rounds
     if args.compare:
-        result.update(compare_with_plain(target, input_ids, drafter, controller, gen, args.repeats, out))
+        result.update(compare_with_plain(target, input_ids, drafter, controller, gen, args.repeats, out, args.compile))
     # stdout: the answer, then the results (or, with --json, the JSON record alone and the results on stderr)
     results_to = sys.stderr if args.json else sys.stdout
     print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=results_to)
@@ -107,6 +107,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "identical output",
     )
     p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per side with --compare (median)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the target's forwards torch.compile'd over a static cache (the first call compiles; with "
+        "--compare, plain generate is also timed compiled)",
+    )
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON on stdout")
     p.set_defaults(func=cmd_generate)

@@ -12,7 +12,7 @@ from typing import NamedTuple, TypeVar
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import runs_bf16_natively
 from ..controllers import (
@@ -34,6 +34,16 @@ def timed_call(run: Callable[[], T], target: nn.Module) -> tuple[T, float]:
     """`run()` with wall time (the target's device synchronised). Plain and speculative `generate` are timed
     alike: the CPU verify kernels are `generate`'s own choice, from this machine's calibration."""
     return timed(run, next(target.parameters()).device)
+
+
+def _plain_compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=False, mode="default")
+    config._compile_all_devices = True  # Transformers' own switch for compiling plain decoding off its GPU list
+    return config
+
+
+#: Plain `generate` compiled over a static cache, as Transformers runs it on a GPU (here on any device).
+PLAIN_COMPILED = {"cache_implementation": "static", "compile_config": _plain_compile_config()}
 
 
 class TimedRun(NamedTuple):
@@ -87,23 +97,29 @@ def compare_with_plain(
     gen: dict,
     repeats: int,
     answer: torch.Tensor,
+    compile: bool = False,
 ) -> dict:
     """Speculative decoding with `controller` against plain `generate` on one prompt, all sides timed alike:
     warmed, no streaming, `repeats` runs each taken in turn, the median kept. Plain decoding is timed in the
     target's dtype (the lossless reference: `speedup`) and in every other dtype the device runs natively; the
     fastest of them is `fastest_plain` (`speedup_vs_fastest_plain`). `gen`: the generate arguments; `answer`:
-    the output shown to the user (greedy: checked identical to plain too)."""
+    the output shown to the user (greedy: checked identical to plain too). `compile`: ours runs compiled, and
+    plain decoding is also timed compiled over a static cache (`"<dtype> compiled"`); compile time stays in the
+    warm-up."""
     own = str(next(target.parameters()).dtype).removeprefix("torch.")
-    plains = {own: target} | plain_in_other_dtypes(target)
+    plains = {name: (model, {}) for name, model in ({own: target} | plain_in_other_dtypes(target)).items()}
+    if compile:
+        plains[f"{own} compiled"] = (target, PLAIN_COMPILED)
+    ours_gen = dict(draft_controller=controller, compile=True) if compile else dict(draft_controller=controller)
     warm = dict(max_new_tokens=8, do_sample=False)
-    timed_generate(target, input_ids, drafter, draft_controller=controller, **warm)
-    for model in plains.values():
-        timed_generate(model, input_ids, **warm)
+    timed_generate(target, input_ids, drafter, **ours_gen, **warm)
+    for model, extra in plains.values():
+        timed_generate(model, input_ids, **extra, **warm)
     ours, plain = [], {name: [] for name in plains}
     for _ in range(repeats):
-        ours.append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
-        for name, model in plains.items():
-            plain[name].append(timed_generate(model, input_ids, **gen))
+        ours.append(timed_generate(target, input_ids, drafter, **ours_gen, **gen))
+        for name, (model, extra) in plains.items():
+            plain[name].append(timed_generate(model, input_ids, **extra, **gen))
     out, seconds, _ = _median_run(ours)
     plain_out = _median_run(plain[own]).sequences
     tps = {}
