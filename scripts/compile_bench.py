@@ -2,29 +2,39 @@
 
     python scripts/compile_bench.py --out docs/bench-epyc-compile/compile.json
 
-Per dtype, on the same prompts (HumanEval and MT-Bench, `--prompts` each), in interleaved repeats (median of
-each configuration's summed seconds over the prompts): plain `generate` (eager, dynamic cache), plain `generate`
-compiled over a static cache (Transformers' own compiled decoding, `PLAIN_COMPILED`), and ours with the default
-controller (policy attached) and fixed widths, eager and with `compile=True`. Compilation happens in a first,
-untimed pass, whose seconds are reported on their own (`compile_seconds`). Greedy outputs are compared with
-eager plain `generate` in the same dtype (`mismatched_prompts`).
+Per dtype, on the same prompts (HumanEval and MT-Bench, `--prompts` each): plain `generate` (eager, dynamic
+cache), plain `generate` compiled over a static cache (Transformers' own compiled decoding, `PLAIN_COMPILED`),
+and ours with the default controller (policy attached) and fixed widths, eager and with `compile=True`. A first,
+untimed pass compiles, calibrates and keeps the outputs; its seconds beyond a timed pass are `compile_seconds`.
+Then every configuration decodes all prompts in interleaved repeats (`interleaved_median_ms`: a further warm-up
+round, then `--repeats`; the median kept). Greedy outputs are compared with eager plain `generate` in the same
+dtype (`mismatched_prompts`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from hf_blockpilot.data import chat_inputs, load_prompts
-from hf_blockpilot.device_calibration import describe_device
+from hf_blockpilot.device_calibration import describe_device, interleaved_median_ms
 from hf_blockpilot.tools.evaluation import PLAIN_COMPILED
 from hf_blockpilot.tools.loading import load_default_target, resolve_drafter, resolve_policy
+
+
+def decode(target, ids: torch.Tensor, config: dict, gen: dict) -> torch.Tensor:
+    return target.generate(ids, attention_mask=torch.ones_like(ids), **config, **gen)
+
+
+def decode_all(target, prompts: list[torch.Tensor], config: dict, gen: dict) -> None:
+    for ids in prompts:
+        decode(target, ids, config, gen)
 
 
 def main() -> int:
@@ -56,25 +66,16 @@ def main() -> int:
                     assistant_model=drafter, draft_controller=controller, compile=compiled
                 )
 
-        def decode(config: dict, ids: torch.Tensor) -> torch.Tensor:
-            return target.generate(ids, attention_mask=torch.ones_like(ids), **config, **gen)
-
         first_pass, outputs = {}, {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for name, config in configs.items():  # untimed: compiles, calibrates, warms up
                 start = time.perf_counter()
-                outputs[name] = [decode(config, ids) for ids in prompts]
+                outputs[name] = [decode(target, ids, config, gen) for ids in prompts]
                 first_pass[name] = time.perf_counter() - start
         inexact = sorted({str(w.message) for w in caught if "bit for bit" in str(w.message)})
-        seconds: dict[str, list[float]] = {name: [] for name in configs}
-        for _ in range(args.repeats):
-            for name, config in configs.items():
-                start = time.perf_counter()
-                for ids in prompts:
-                    decode(config, ids)
-                seconds[name].append(time.perf_counter() - start)
-        medians = {name: statistics.median(values) for name, values in seconds.items()}
+        runs = {name: partial(decode_all, target, prompts, config, gen) for name, config in configs.items()}
+        medians = {name: ms / 1000 for name, ms in interleaved_median_ms(runs, args.repeats, target.device).items()}
         tokens = sum(out.shape[1] - ids.shape[1] for out, ids in zip(outputs["plain"], prompts, strict=True))
         fastest_plain = min(medians[name] for name in ("plain", "plain compiled static"))
         for name in configs:

@@ -401,8 +401,11 @@ def test_decoding_anchors_are_where_real_rounds_start_and_are_trained_on(tmp_pat
     batch = seqs[:3]
     hidden = trainer.hidden_states(batch)
     original = trainer.decoding_anchors
-    trainer.decoding_anchors = lambda seq, hidden, window: [seq.response_start + 2 * i for i in range(window // 2 + 3)]
-    for seq, anchors in zip(batch, trainer.training_anchors(batch, hidden), strict=True):
+    trainer.decoding_anchors = lambda seq, hidden, window, rng: [
+        seq.response_start + 2 * i for i in range(window // 2 + 3)
+    ]
+    rngs = [random.Random(i) for i in range(3)]
+    for seq, anchors in zip(batch, trainer.training_anchors(batch, hidden, rngs), strict=True):
         assert anchors == sorted(set(anchors)) and len(anchors) == 16  # distinct, sorted, anchors_per_sequence
         assert all(seq.response_start - 1 <= a < len(seq.input_ids) - 1 for a in anchors)
         assert {seq.response_start + 2 * i for i in range(8)} <= set(anchors)  # half of them: the first 8 rounds

@@ -22,8 +22,10 @@ from ._common import (
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from ..data import chat_training_prompts, read_prompt_file, stdlib_training_prompts
     from ..tools.loading import resolve_target
+    from ..training.distributed import init_from_torchrun, rank_and_world_size
     from ..training.drafter import DrafterTrainingConfig, train_drafter
 
+    init_from_torchrun()  # under torchrun: one rank of several (DDP), else a single process
     target, tokenizer = resolve_target(args.target, dtype="float32", device=args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,7 +64,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         init_drafter=args.init_drafter,
         generation_minutes=args.generation_minutes,
     )
-    if args.save_to:
+    if args.save_to and rank_and_world_size()[0] == 0:
         drafter.save_pretrained(args.save_to)
     return 0
 

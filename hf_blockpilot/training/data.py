@@ -195,6 +195,11 @@ def target_hidden_states(
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(dtype)
 
 
+def hidden_cache_path(cache_dir: str | Path, layer_ids: Sequence[int]) -> Path:
+    """Where `cache_hidden_states` keeps the states of these target layers under `cache_dir`."""
+    return Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
+
+
 def cache_hidden_states(
     target: PreTrainedModel,
     sequences: Sequence[TrainingSequence],
@@ -207,7 +212,7 @@ def cache_hidden_states(
 
     Existing files are kept, so the step resumes; the layer ids are part of the directory name.
     """
-    cache_dir = Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
+    cache_dir = hidden_cache_path(cache_dir, layer_ids)
     cache_dir.mkdir(parents=True, exist_ok=True)
     todo = sorted(
         (s for s in sequences if not (cache_dir / f"{_safe_name(s.id)}.safetensors").exists()),

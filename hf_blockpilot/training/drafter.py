@@ -22,12 +22,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .._compat import runs_bf16_natively
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .data import TrainingSequence, load_hidden_states, target_hidden_states
+from .distributed import barrier, rank_and_world_size, summed_over_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +146,13 @@ def init_drafter_from_target(drafter: BlockDiffusionDrafter, target: PreTrainedM
 class DrafterTrainer:
     """Trains a `BlockDiffusionDrafter` on target hidden states, cached on disk (`hidden_cache_dir`) or
     computed by the target in each step (`None`: no disk, the better choice on a GPU); resumable from
-    `output_dir`."""
+    `output_dir`.
+
+    Under torch.distributed (torchrun; `distributed.init_from_torchrun`) every rank runs one: the drafter is
+    wrapped in `DistributedDataParallel`, each step's global batch (`sequences_per_step`, drawn alike on every
+    rank) is split over the ranks, each reading only its own sequences' hidden states, and the loss is normalised
+    by the global batch, so losses, schedule and weights do not depend on the number of ranks. Rank 0 logs,
+    evaluates and saves."""
 
     def __init__(
         self,
@@ -166,7 +174,16 @@ class DrafterTrainer:
                 "the training mask would ignore them. Train a drafter with full, non-causal layers (from_target's)"
             )
         self.config = config
+        self.rank, self.world_size = rank_and_world_size()
+        if min(config.sequences_per_step, len(sequences)) < self.world_size:
+            raise ValueError(
+                f"{self.world_size} ranks need at least as many sequences per step "
+                f"(sequences_per_step={config.sequences_per_step}, {len(sequences)} sequences): raise "
+                "--sequences-per-step or start fewer processes"
+            )
         self.drafter = drafter.train()
+        # the buffers (draft vocabulary map, rotary frequencies) never change: no broadcast in every forward
+        self.model = DistributedDataParallel(drafter, broadcast_buffers=False) if self.world_size > 1 else drafter
         usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
         held_out = [is_validation_sequence(s.id, config.validation_fraction) for s in usable]
         self.sequences = [s for s, v in zip(usable, held_out, strict=True) if not v]
@@ -258,22 +275,18 @@ class DrafterTrainer:
         trainer's), or the given `anchors` (one sorted list per sequence); sequences with fewer anchors repeat
         their first one in blocks that carry no loss. `hidden` is (len(batch), >= longest, layers * hidden),
         right-padded: a block only sees context before its anchor, so padding is never attended. Returns the
-        loss and per-block slot accuracy counts.
+        loss (the weighted mean over the batch's slots) and per-block slot accuracy counts, with the loss
+        weights' sum (`"weight"`).
         """
-        b, cfg = self.config.block_size, self.config
-        rng = rng or self.rng
+        b = self.config.block_size
+        if anchors is None:
+            anchors = self.random_anchors(batch, [rng or self.rng] * len(batch))
         lengths = [len(seq.input_ids) for seq in batch]
         width = hidden.shape[1]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
-        anchor_rows, block_valid = [], []
+        anchor_rows, block_valid = [list(row) for row in anchors], []
         for row, seq in enumerate(batch):
             ids[row, : lengths[row]] = torch.tensor(seq.input_ids)
-            if anchors is not None:
-                anchor_rows.append(list(anchors[row]))
-                continue
-            candidates = range(seq.response_start - 1, lengths[row] - 1)  # anchors whose slot 1 has a label
-            chosen = sorted(rng.sample(candidates, min(cfg.anchors_per_sequence, len(candidates))))
-            anchor_rows.append(chosen)
         n = max(len(chosen) for chosen in anchor_rows)
         for chosen in anchor_rows:
             block_valid.append([True] * len(chosen) + [False] * (n - len(chosen)))
@@ -293,7 +306,7 @@ class DrafterTrainer:
         mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = self.drafter(
+            out = (self.model if torch.is_grad_enabled() else self.drafter)(
                 block_embeds=self.drafter.embed_block(self.embed, block_ids).to(device).detach(),
                 block_position_ids=positions.to(device),
                 target_hidden=hidden.to(device),
@@ -310,7 +323,8 @@ class DrafterTrainer:
         loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
         correct = (logits.argmax(-1).cpu() == draft_labels) & valid
         keep = block_valid.reshape(-1)
-        return loss, {"correct": correct.reshape(-1, b - 1)[keep], "valid": valid.reshape(-1, b - 1)[keep]}
+        counts = {"correct": correct.reshape(-1, b - 1)[keep], "valid": valid.reshape(-1, b - 1)[keep]}
+        return loss, {**counts, "weight": weights.sum()}
 
     def train(self, on_save: Callable[[DrafterTrainer], None] | None = None) -> dict:
         """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps (and every
@@ -327,20 +341,28 @@ class DrafterTrainer:
             if on_save is not None:
                 on_save(self)
 
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="drafter training", unit="step")
+        lead = self.rank == 0  # logs, evaluates and saves
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="drafter training", unit="step", disable=not lead)
         window: list[dict] = []
         summary: dict = {}
         evaluation: dict = {}
         tokens = 0  # supervised response tokens seen in this call
         while self.step < cfg.max_steps:
+            # the global batch, drawn alike on every rank; each rank takes its share, every sequence its own
+            # anchor draws (seeded by the step and its place in the batch, whatever rank holds it)
             batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
             tokens += sum(len(seq.input_ids) - seq.response_start for seq in batch)
+            mine = range(self.rank, len(batch), self.world_size)
+            local = [batch[i] for i in mine]
             self.optimizer.zero_grad(set_to_none=True)
-            hidden = self.hidden_states(batch)
-            anchors = self.training_anchors(batch, hidden) if cfg.decoding_anchor_fraction else None
-            loss, acc = self.batch_loss(batch, hidden, anchors=anchors)
-            loss.backward()
-            total = loss.item()
+            hidden = self.hidden_states(local)
+            anchors = self.training_anchors(local, hidden, [random.Random(f"{cfg.seed}/{self.step}/{i}") for i in mine])
+            loss, acc = self.batch_loss(local, hidden, anchors=anchors)
+            weight = acc.pop("weight")
+            total_weight = summed_over_ranks(weight.detach()).clamp(min=1e-6)
+            # the global batch's weighted mean; DDP averages the ranks' gradients, hence the world size
+            (loss * weight * (self.world_size / total_weight)).backward()
+            total = float(summed_over_ranks(loss.detach() * weight) / total_weight)
             window.append(acc)
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
             self.optimizer.step()
@@ -362,46 +384,72 @@ class DrafterTrainer:
                     loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}", tok_s=summary["tokens_per_second"]
                 )
                 self._log(summary)
-            if self.step % cfg.eval_every == 0:
+            if self.step % cfg.eval_every == 0 and lead:
                 evaluation = self.evaluate()
                 self._log(evaluation)
             minutes_since_save = (time.monotonic() - last_save) / 60
-            if self.step % cfg.save_every == 0 or (
-                cfg.save_every_minutes is not None and minutes_since_save >= cfg.save_every_minutes
+            if lead and (
+                self.step % cfg.save_every == 0
+                or (cfg.save_every_minutes is not None and minutes_since_save >= cfg.save_every_minutes)
             ):
                 save()
             if cfg.max_minutes is not None and time.monotonic() - start > 60 * cfg.max_minutes:
                 break
         bar.close()
-        if self.step % cfg.eval_every or not evaluation:
-            evaluation = self.evaluate()
-            self._log(evaluation)
-        save()
+        if lead:
+            if self.step % cfg.eval_every or not evaluation:
+                evaluation = self.evaluate()
+                self._log(evaluation)
+            save()
+        barrier()  # the last checkpoint is written before any rank returns
         return {**summary, **evaluation}
 
-    def training_anchors(self, batch: Sequence[TrainingSequence], hidden: torch.Tensor) -> list[list[int]]:
+    def training_anchors(
+        self, batch: Sequence[TrainingSequence], hidden: torch.Tensor, rngs: Sequence[random.Random]
+    ) -> list[list[int]]:
         """Per sequence, up to `anchors_per_sequence` anchors: a `decoding_anchor_fraction` share from
         `decoding_anchors` over a window of twice that many positions (where real rounds start), the rest
-        random, all distinct and sorted."""
-        cfg = self.config
+        random (drawn from the sequence's own `rngs` entry), all distinct and sorted."""
+        wanted = [round(self.config.decoding_anchor_fraction * n) for n in self._anchor_counts(batch)]
+        chosen = [
+            self.decoding_anchors(seq, hidden[row], 2 * n, rng)[:n] if n else []
+            for row, (seq, n, rng) in enumerate(zip(batch, wanted, rngs, strict=True))
+        ]
+        return self.random_anchors(batch, rngs, chosen)
+
+    def random_anchors(
+        self,
+        batch: Sequence[TrainingSequence],
+        rngs: Sequence[random.Random],
+        chosen: Sequence[Sequence[int]] | None = None,
+    ) -> list[list[int]]:
+        """Per sequence, its `chosen` anchors and random ones (from its `rngs` entry) up to `anchors_per_sequence`,
+        distinct and sorted; an anchor's slot 1 always has a label."""
         rows = []
-        for row, seq in enumerate(batch):
-            candidates = range(seq.response_start - 1, len(seq.input_ids) - 1)  # anchors whose slot 1 has a label
-            total = min(cfg.anchors_per_sequence, len(candidates))
-            wanted = round(cfg.decoding_anchor_fraction * total)
-            chosen = set(self.decoding_anchors(seq, hidden[row], window=2 * wanted)[:wanted]) if wanted else set()
-            rest = [a for a in candidates if a not in chosen]
-            chosen.update(self.rng.sample(rest, total - len(chosen)))
-            rows.append(sorted(chosen))
+        for seq, count, rng, taken in zip(
+            batch, self._anchor_counts(batch), rngs, chosen or [()] * len(batch), strict=True
+        ):
+            rest = [a for a in range(seq.response_start - 1, len(seq.input_ids) - 1) if a not in taken]
+            rows.append(sorted([*taken, *rng.sample(rest, count - len(taken))]))
         return rows
 
-    def decoding_anchors(self, seq: TrainingSequence, hidden: torch.Tensor, window: int | None = None) -> list[int]:
+    def _anchor_counts(self, batch: Sequence[TrainingSequence]) -> list[int]:
+        return [min(self.config.anchors_per_sequence, len(seq.input_ids) - seq.response_start) for seq in batch]
+
+    def decoding_anchors(
+        self,
+        seq: TrainingSequence,
+        hidden: torch.Tensor,
+        window: int | None = None,
+        rng: random.Random | None = None,
+    ) -> list[int]:
         """Anchors of the rounds that greedy speculative decoding with the current drafter runs along `seq`'s
         response (see `replay_acceptance`): the first response token, then each position after a round. With
-        `window`, only the rounds within that many positions from a random start (drawn from the trainer's rng)."""
+        `window`, only the rounds within that many positions from a random start (drawn from `rng`, default
+        the trainer's)."""
         start, stop = seq.response_start, len(seq.input_ids) - 1
         if window is not None and window < stop - start:
-            start = self.rng.randrange(start, stop - window + 1)
+            start = (rng or self.rng).randrange(start, stop - window + 1)
             stop = start + window
         committed = self.replay_acceptance(seq, hidden, start=start, stop=stop)
         return list(accumulate(committed[:-1], initial=start))
@@ -481,7 +529,7 @@ class DrafterTrainer:
         }
 
     def _log(self, record: dict) -> None:
-        if record:
+        if record and self.rank == 0:
             with (self.output_dir / LOG_FILE).open("a") as f:
                 f.write(json.dumps(record) + "\n")
         if "val_tau_replay" in record:
@@ -577,12 +625,14 @@ def train_drafter(
         cache_hidden_states,
         generate_responses,
         generation_eos_ids,
+        hidden_cache_path,
         read_sequences,
     )
 
     config = config or DrafterTrainingConfig()
     output_dir = Path(output_dir)
-    if prompts is not None:
+    lead = rank_and_world_size()[0] == 0  # under torchrun, rank 0 prepares the data and the others wait for it
+    if prompts is not None and lead:
         generate_responses(
             target,
             tokenizer,
@@ -592,6 +642,7 @@ def train_drafter(
             max_new_tokens,
             max_seconds=None if generation_minutes is None else 60 * generation_minutes,
         )
+    barrier()
     sequences = read_sequences(output_dir / "data")
     num_embeddings = target.get_input_embeddings().weight.shape[0]
 
@@ -618,7 +669,10 @@ def train_drafter(
         init_drafter_from_target(drafter, target)
     hidden_dir = None
     if cache_hidden_states_on_disk:
-        hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
+        hidden_dir = hidden_cache_path(output_dir / "hidden", drafter.target_layer_ids)
+        if lead:
+            cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
+        barrier()
     trainer = DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config)
     if refresh_draft_vocab and drafter.d2t is not None:
         trainer.set_draft_vocab(vocab_from_data(drafter.d2t.numel()))

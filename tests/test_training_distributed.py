@@ -1,0 +1,118 @@
+"""Drafter training on torch.distributed (gloo on CPU): 2 ranks x 2 sequences a step train exactly as 1 rank x 4."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import make_target
+
+from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot.training.data import TrainingSequence
+from hf_blockpilot.training.distributed import rank_and_world_size
+from hf_blockpilot.training.drafter import DrafterTrainer, DrafterTrainingConfig, init_drafter_from_target
+
+STEPS = 4
+
+
+def _sequences() -> list[TrainingSequence]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        TrainingSequence(f"seq/{i}", torch.randint(3, 48, (14 + 3 * i,), generator=g).tolist(), 4) for i in range(6)
+    ]
+
+
+def _train(output_dir: Path) -> None:
+    """One rank's run (or the only one): same target, drafter and data on every rank."""
+    torch.set_num_threads(1)
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    torch.manual_seed(0)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    init_drafter_from_target(drafter, target)
+    config = DrafterTrainingConfig(
+        block_size=4,
+        anchors_per_sequence=5,
+        sequences_per_step=4,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        log_every=1,
+        save_every=STEPS,
+        eval_every=10_000,
+        bf16=False,
+        validation_fraction=0.0,
+    )
+    DrafterTrainer(drafter, target, _sequences(), None, output_dir, config).train()
+
+
+def _rank(rank: int, world_size: int, rendezvous: str, output_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        assert rank_and_world_size() == (rank, world_size)
+        _train(Path(output_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+def test_two_ranks_train_exactly_as_one_with_the_same_global_batch(tmp_path):
+    mp.spawn(_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path / "ddp")), nprocs=2, join=True)
+    _train(tmp_path / "single")
+    ddp, single = _losses(tmp_path / "ddp"), _losses(tmp_path / "single")
+    assert len(ddp) == len(single) == STEPS and ddp[-1] < ddp[0]
+    torch.testing.assert_close(torch.tensor(ddp), torch.tensor(single), rtol=1e-5, atol=1e-6)
+    trained = {
+        name: BlockDiffusionDrafter.from_pretrained(tmp_path / name / "checkpoint").state_dict()
+        for name in ("ddp", "single")
+    }
+    for key, value in trained["single"].items():
+        torch.testing.assert_close(trained["ddp"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+    assert not (tmp_path / "ddp" / "checkpoint.tmp").exists() and os.listdir(tmp_path / "ddp")
+
+
+def test_more_ranks_than_sequences_a_step_is_a_clear_error(monkeypatch, tmp_path):
+    from hf_blockpilot.training import drafter as drafter_module
+
+    monkeypatch.setattr(drafter_module, "rank_and_world_size", lambda: (0, 8))
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    with pytest.raises(ValueError, match="8 ranks need at least as many sequences per step"):
+        DrafterTrainer(drafter, target, _sequences(), None, tmp_path, DrafterTrainingConfig(sequences_per_step=4))
+
+
+def test_torchrun_runs_train_drafter_on_two_ranks(tmp_path):
+    """The command line as torchrun starts it: two gloo ranks, rank 0 prepares the data, one checkpoint."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import save_tiny_pair
+
+    from hf_blockpilot.training.data import RESPONSES_FILE
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    target_dir, _ = save_tiny_pair(tmp_path)
+    data = tmp_path / "run" / "data"
+    data.mkdir(parents=True)
+    rows = [{"id": seq.id, "prompt_ids": seq.input_ids[:4], "response_ids": seq.input_ids[4:]} for seq in _sequences()]
+    (data / RESPONSES_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "hf_blockpilot", "train-drafter"]
+    command += ["--target", str(target_dir), "--output-dir", str(tmp_path / "run"), "--num-prompts", "0"]
+    command += ["--chat-prompts", "0", "--num-layers", "1", "--block-size", "4", "--max-steps", "3"]
+    command += ["--sequences-per-step", "4", "--anchors", "4", "--warmup-steps", "1", "--draft-vocab-size", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert BlockDiffusionDrafter.from_pretrained(tmp_path / "run" / "checkpoint").config.block_size == 4
+    assert len(list((tmp_path / "run" / "hidden").glob("*/*.safetensors"))) == len(rows)  # rank 0 wrote them once
