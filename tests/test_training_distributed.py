@@ -15,7 +15,12 @@ from conftest import make_target
 from hf_blockpilot import BlockDiffusionDrafter
 from hf_blockpilot.training.data import TrainingSequence
 from hf_blockpilot.training.distributed import rank_and_world_size
-from hf_blockpilot.training.drafter import DrafterTrainer, DrafterTrainingConfig, init_drafter_from_target
+from hf_blockpilot.training.drafter import (
+    STATE_FILE,
+    DrafterTrainer,
+    DrafterTrainingConfig,
+    init_drafter_from_target,
+)
 
 STEPS = 4
 
@@ -27,7 +32,7 @@ def _sequences() -> list[TrainingSequence]:
     ]
 
 
-def _train(output_dir: Path) -> None:
+def _train(output_dir: Path, fsdp: bool = False) -> None:
     """One rank's run (or the only one): same target, drafter and data on every rank."""
     torch.set_num_threads(1)
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
@@ -46,15 +51,16 @@ def _train(output_dir: Path) -> None:
         eval_every=10_000,
         bf16=False,
         validation_fraction=0.0,
+        fsdp=fsdp,
     )
     DrafterTrainer(drafter, target, _sequences(), None, output_dir, config).train()
 
 
-def _rank(rank: int, world_size: int, rendezvous: str, output_dir: str) -> None:
+def _rank(rank: int, world_size: int, rendezvous: str, output_dir: str, fsdp: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         assert rank_and_world_size() == (rank, world_size)
-        _train(Path(output_dir))
+        _train(Path(output_dir), fsdp)
     finally:
         dist.destroy_process_group()
 
@@ -64,8 +70,10 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
-def test_two_ranks_train_exactly_as_one_with_the_same_global_batch(tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path / "ddp")), nprocs=2, join=True)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_two_ranks_train_exactly_as_one_with_the_same_global_batch(tmp_path, fsdp):
+    """DDP replicates the drafter, FSDP2 shards it (and the target computing hidden states live)."""
+    mp.spawn(_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path / "ddp"), fsdp), nprocs=2, join=True)
     _train(tmp_path / "single")
     ddp, single = _losses(tmp_path / "ddp"), _losses(tmp_path / "single")
     assert len(ddp) == len(single) == STEPS and ddp[-1] < ddp[0]
@@ -111,8 +119,10 @@ def test_torchrun_runs_train_drafter_on_two_ranks(tmp_path):
     command += ["--target", str(target_dir), "--output-dir", str(tmp_path / "run"), "--num-prompts", "0"]
     command += ["--chat-prompts", "0", "--num-layers", "1", "--block-size", "4", "--max-steps", "3"]
     command += ["--sequences-per-step", "4", "--anchors", "4", "--warmup-steps", "1", "--draft-vocab-size", "0"]
+    command += ["--no-hidden-cache", "--fsdp"]  # the target's layers sharded too
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert BlockDiffusionDrafter.from_pretrained(tmp_path / "run" / "checkpoint").config.block_size == 4
-    assert len(list((tmp_path / "run" / "hidden").glob("*/*.safetensors"))) == len(rows)  # rank 0 wrote them once
+    state = torch.load(tmp_path / "run" / "checkpoint" / STATE_FILE, weights_only=False)
+    assert state["step"] == 3 and state["config"]["fsdp"] is True

@@ -46,6 +46,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         seed=args.seed,
         decoding_anchor_fraction=args.decoding_anchors,
         save_every_minutes=args.save_every_minutes,
+        fsdp=args.fsdp,
     )
     drafter = train_drafter(
         target,
@@ -196,6 +197,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-hidden-cache",
         action="store_true",
         help="compute target hidden states in every step instead of caching them on disk (pays on a GPU)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the drafter (and, with --no-hidden-cache, the target's layers) with FSDP2 "
+        "instead of replicating the drafter with DDP",
     )
     p.add_argument(
         "--validation-fraction", type=float, default=config.validation_fraction, help="sequences held out to track τ"

@@ -8,9 +8,21 @@ A single process (no `WORLD_SIZE` > 1 in the environment) runs as before; these 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def init_from_torchrun() -> None:
@@ -39,7 +51,41 @@ def summed_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def on_any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (so that every rank takes the same branch around a collective)."""
+    if rank_and_world_size()[1] == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def barrier() -> None:
     """Wait for every rank (nothing outside a process group)."""
     if rank_and_world_size()[1] > 1:
         dist.barrier()
+
+
+def shard(layers: Iterable[nn.Module], root: nn.Module | None = None) -> None:
+    """FSDP2: each of `layers`, then the rest of `root` if given, sharded over the ranks (their parameters become
+    DTensors, gathered for each forward)."""
+    for layer in layers:
+        fully_shard(layer)
+    if root is not None:
+        fully_shard(root)
+
+
+def full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole (unsharded) state of `model` and `optimizer`, keyed by parameter name, on the CPU; every rank
+    must call it (sharded parameters are gathered)."""
+    return get_model_state_dict(model, options=_FULL), get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_full_states(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict, state: dict) -> None:
+    """Load `full_states`' output into `model` and `optimizer`, sharded or not."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=options)
+    if all(isinstance(key, int) for key in state["state"]):  # written before states were keyed by name
+        optimizer.load_state_dict(state)
+    else:
+        set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -29,7 +29,15 @@ from transformers import PreTrainedModel
 from .._compat import runs_bf16_natively
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .data import TrainingSequence, load_hidden_states, target_hidden_states
-from .distributed import barrier, rank_and_world_size, summed_over_ranks
+from .distributed import (
+    barrier,
+    full_states,
+    load_full_states,
+    on_any_rank,
+    rank_and_world_size,
+    shard,
+    summed_over_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,9 @@ class DrafterTrainingConfig:
     # (replayed each step over a window of twice as many positions): right after a failed draft, where real
     # rounds start and drafting is hardest. Costs one more drafter forward per sequence (docs/design-measurements.md).
     decoding_anchor_fraction: float = 0.0
+    # Under torchrun: shard the drafter (and a target computing hidden states live) with FSDP2 `fully_shard`
+    # instead of replicating the drafter with DDP, for models that do not fit one device.
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decoding_anchor_fraction <= 1.0:
@@ -149,10 +160,10 @@ class DrafterTrainer:
     `output_dir`.
 
     Under torch.distributed (torchrun; `distributed.init_from_torchrun`) every rank runs one: the drafter is
-    wrapped in `DistributedDataParallel`, each step's global batch (`sequences_per_step`, drawn alike on every
-    rank) is split over the ranks, each reading only its own sequences' hidden states, and the loss is normalised
-    by the global batch, so losses, schedule and weights do not depend on the number of ranks. Rank 0 logs,
-    evaluates and saves."""
+    wrapped in `DistributedDataParallel` (or sharded with FSDP2, `config.fsdp`), each step's global batch
+    (`sequences_per_step`, drawn alike on every rank) is split over the ranks, each reading only its own
+    sequences' hidden states, and the loss is normalised by the global batch, so losses, schedule and weights do
+    not depend on the number of ranks. Rank 0 logs, evaluates (every rank, when sharded) and saves."""
 
     def __init__(
         self,
@@ -182,8 +193,20 @@ class DrafterTrainer:
                 "--sequences-per-step or start fewer processes"
             )
         self.drafter = drafter.train()
-        # the buffers (draft vocabulary map, rotary frequencies) never change: no broadcast in every forward
-        self.model = DistributedDataParallel(drafter, broadcast_buffers=False) if self.world_size > 1 else drafter
+        self.sharded = config.fsdp and self.world_size > 1
+        if self.sharded:
+            if config.decoding_anchor_fraction:
+                raise ValueError(
+                    "decoding anchors replay a different number of drafter forwards on each rank, which FSDP's "
+                    "gathers cannot follow: use --decoding-anchors 0 with --fsdp, or DDP"
+                )
+            shard(drafter.layers, drafter)
+            if hidden_cache_dir is None:  # frozen; its embeddings and head, read outside its forward, stay whole
+                shard(target.get_decoder().layers)
+        self.model = drafter
+        if self.world_size > 1 and not self.sharded:
+            # the buffers (draft vocabulary map, rotary frequencies) never change: no broadcast in every forward
+            self.model = DistributedDataParallel(drafter, broadcast_buffers=False)
         usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
         held_out = [is_validation_sequence(s.id, config.validation_fraction) for s in usable]
         self.sequences = [s for s, v in zip(usable, held_out, strict=True) if not v]
@@ -306,7 +329,7 @@ class DrafterTrainer:
         mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = (self.model if torch.is_grad_enabled() else self.drafter)(
+            out = (self.model if torch.is_grad_enabled() else self.drafter)(  # DDP syncs only where it trains
                 block_embeds=self.drafter.embed_block(self.embed, block_ids).to(device).detach(),
                 block_position_ids=positions.to(device),
                 target_hidden=hidden.to(device),
@@ -338,7 +361,7 @@ class DrafterTrainer:
             nonlocal last_save
             self.save()
             last_save = time.monotonic()
-            if on_save is not None:
+            if on_save is not None and self.rank == 0:
                 on_save(self)
 
         lead = self.rank == 0  # logs, evaluates and saves
@@ -384,23 +407,21 @@ class DrafterTrainer:
                     loss=f"{total:.3f}", tau_est=f"{summary['tau_estimate']:.2f}", tok_s=summary["tokens_per_second"]
                 )
                 self._log(summary)
-            if self.step % cfg.eval_every == 0 and lead:
+            if self.step % cfg.eval_every == 0 and (lead or self.sharded):
                 evaluation = self.evaluate()
                 self._log(evaluation)
+            # decisions on time: every rank takes rank-alike branches (they save and stop together)
             minutes_since_save = (time.monotonic() - last_save) / 60
-            if lead and (
-                self.step % cfg.save_every == 0
-                or (cfg.save_every_minutes is not None and minutes_since_save >= cfg.save_every_minutes)
-            ):
+            timed_save = cfg.save_every_minutes is not None and minutes_since_save >= cfg.save_every_minutes
+            if self.step % cfg.save_every == 0 or on_any_rank(timed_save):
                 save()
-            if cfg.max_minutes is not None and time.monotonic() - start > 60 * cfg.max_minutes:
+            if on_any_rank(cfg.max_minutes is not None and time.monotonic() - start > 60 * cfg.max_minutes):
                 break
         bar.close()
-        if lead:
-            if self.step % cfg.eval_every or not evaluation:
-                evaluation = self.evaluate()
-                self._log(evaluation)
-            save()
+        if (lead or self.sharded) and (self.step % cfg.eval_every or not evaluation):
+            evaluation = self.evaluate()
+            self._log(evaluation)
+        save()
         barrier()  # the last checkpoint is written before any rank returns
         return {**summary, **evaluation}
 
@@ -543,13 +564,17 @@ class DrafterTrainer:
 
     # ----------------------------------------------------------------------------------- checkpointing
     def save(self) -> None:
-        """Drafter in the z-lab format under `output_dir/checkpoint`, optimizer state beside it (atomic)."""
+        """Drafter in the z-lab format under `output_dir/checkpoint`, optimizer state beside it (atomic); every
+        rank calls it (a sharded drafter is gathered), rank 0 writes."""
+        weights, optimizer = full_states(self.drafter, self.optimizer)
+        if self.rank != 0:
+            return
         tmp = self.output_dir / f"{CHECKPOINT_DIR}.tmp"
-        self.drafter.save_pretrained(tmp)
+        self.drafter.save_pretrained(tmp, state_dict=weights)
         torch.save(
             {
                 "step": self.step,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "rng": self.rng.getstate(),
                 "config": asdict(self.config),
@@ -572,9 +597,8 @@ class DrafterTrainer:
         if not (ckpt / STATE_FILE).exists():
             return
         state = torch.load(ckpt / STATE_FILE, weights_only=False)
-        loaded = BlockDiffusionDrafter.from_pretrained(ckpt)
-        self.drafter.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
+        weights = BlockDiffusionDrafter.from_pretrained(ckpt).state_dict()
+        load_full_states(self.drafter, self.optimizer, weights, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.rng.setstate(state["rng"])
         self.step = state["step"]
