@@ -32,7 +32,7 @@ def _sequences() -> list[TrainingSequence]:
     ]
 
 
-def _train(output_dir: Path, fsdp: bool = False) -> None:
+def _train(output_dir: Path, fsdp: bool = False, save_every: int = STEPS) -> None:
     """One rank's run (or the only one): same target, drafter and data on every rank."""
     torch.set_num_threads(1)
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
@@ -47,7 +47,7 @@ def _train(output_dir: Path, fsdp: bool = False) -> None:
         learning_rate=1e-2,
         warmup_steps=1,
         log_every=1,
-        save_every=STEPS,
+        save_every=save_every,
         eval_every=10_000,
         bf16=False,
         validation_fraction=0.0,
@@ -126,3 +126,110 @@ def test_torchrun_runs_train_drafter_on_two_ranks(tmp_path):
     assert BlockDiffusionDrafter.from_pretrained(tmp_path / "run" / "checkpoint").config.block_size == 4
     state = torch.load(tmp_path / "run" / "checkpoint" / STATE_FILE, weights_only=False)
     assert state["step"] == 3 and state["config"]["fsdp"] is True
+
+
+KILLED_RUN = """
+import os, signal, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[2])
+from test_training_distributed import _train
+
+update = torch.optim.AdamW.step
+count = [0]
+
+def step(self, *args, **kwargs):
+    count[0] += 1
+    if count[0] == 4:  # step 4, mid-step: its gradients computed, the update not made; the last save was step 2
+        os.kill(os.getpid(), signal.SIGKILL)
+    return update(self, *args, **kwargs)
+
+torch.optim.AdamW.step = step
+_train(Path(sys.argv[1]), save_every=2)
+"""
+
+
+def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_weights(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).parent)
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, str(tmp_path / "killed"), tests], timeout=600)
+    assert killed.returncode == -signal.SIGKILL
+    assert torch.load(tmp_path / "killed" / "checkpoint" / STATE_FILE, weights_only=False)["step"] == 2
+    _train(tmp_path / "killed", save_every=2)  # resumes at step 2
+    _train(tmp_path / "whole", save_every=2)
+    resumed, whole = (
+        BlockDiffusionDrafter.from_pretrained(tmp_path / name / "checkpoint").state_dict()
+        for name in ("killed", "whole")
+    )
+    for key, value in whole.items():
+        assert torch.equal(resumed[key], value), key
+    assert _losses(tmp_path / "killed")[-2:] == _losses(tmp_path / "whole")[-2:]  # steps 3 and 4, run again
+
+
+def test_a_run_killed_between_the_checkpoint_renames_resumes_from_the_new_one(tmp_path):
+    _train(tmp_path / "run", save_every=2)
+    run = tmp_path / "run"
+    (run / "checkpoint").rename(run / "checkpoint.tmp")  # as if killed after moving the old one aside
+    (run / "checkpoint.old").mkdir()  # an older, incomplete leftover
+    config = DrafterTrainingConfig(block_size=4, max_steps=STEPS, bf16=False, validation_fraction=0.0)
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    trainer = DrafterTrainer(drafter, target, _sequences(), None, run, config)
+    assert trainer.step == STEPS
+    trainer.save()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+
+
+def test_offline_hidden_states_are_sharded_over_ranks_and_train_as_live_ones(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from hf_blockpilot.training import data as data_module
+    from hf_blockpilot.training.data import MANIFEST_FILE, cache_hidden_states
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    seqs = _sequences()
+    layer_ids = [0, 1]
+    computed = {}
+
+    def spy(model, batch, ids, dtype):
+        computed.setdefault(rank, []).extend(s.id for s in batch)
+        return real(model, batch, ids, dtype)
+
+    real = data_module.target_hidden_states
+    monkeypatch.setattr(data_module, "target_hidden_states", spy)
+    monkeypatch.setattr(data_module, "barrier", lambda: None)
+    for rank in (1, 0):  # as two torchrun ranks would, rank 0 last (it writes the manifest)
+        monkeypatch.setattr(data_module, "rank_and_world_size", lambda rank=rank: (rank, 2))
+        with caplog.at_level(logging.INFO, logger=data_module.__name__):
+            cache = cache_hidden_states(target, seqs, layer_ids, tmp_path / "hidden", torch.float32)
+    assert sorted(computed[0] + computed[1]) == sorted(s.id for s in seqs) and not set(computed[0]) & set(computed[1])
+    manifest = json.loads((cache / MANIFEST_FILE).read_text())
+    token_bytes = 2 * 64 * 4  # two layers of 64 float32 values
+    assert manifest["bytes_per_token"] == token_bytes and manifest["layer_ids"] == layer_ids
+    assert manifest["bytes"] == sum(len(s.input_ids) for s in seqs) * token_bytes
+    assert all((cache / manifest["sequences"][s.id]["file"]).exists() for s in seqs)
+    assert "GB on disk" in caplog.text  # the cost, said before computing
+
+    losses = {}
+    for name, hidden_dir in (("offline", cache), ("live", None)):
+        torch.manual_seed(0)
+        drafter = BlockDiffusionDrafter.from_target(
+            target, num_hidden_layers=1, block_size=4, target_layer_ids=layer_ids
+        )
+        config = DrafterTrainingConfig(
+            block_size=4,
+            anchors_per_sequence=5,
+            sequences_per_step=4,
+            max_steps=3,
+            log_every=1,
+            bf16=False,
+            validation_fraction=0.0,
+        )
+        DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / name, config).train()
+        losses[name] = _losses(tmp_path / name)
+    assert len(losses["offline"]) == len(losses["live"]) == 3
+    # live states are computed in bfloat16 where the CPU runs it natively, the offline ones were stored in float32
+    torch.testing.assert_close(torch.tensor(losses["offline"]), torch.tensor(losses["live"]), rtol=2e-2, atol=2e-2)

@@ -19,6 +19,29 @@ from ._common import (
 )
 
 
+def cmd_prepare_hidden_states(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..configuration_block_diffusion import BlockDiffusionConfig
+    from ..tools.loading import resolve_target
+    from ..training.data import cache_hidden_states, read_sequences
+    from ..training.distributed import init_from_torchrun
+
+    init_from_torchrun()  # under torchrun every rank computes its share
+    layer_ids = args.target_layer_ids
+    if layer_ids is None and args.drafter is None:
+        raise SystemExit("prepare-hidden-states: give --target-layer-ids, or --drafter to read them from its config")
+    if layer_ids is None:
+        layer_ids = BlockDiffusionConfig.from_pretrained(args.drafter).dflash_config["target_layer_ids"]
+    target, _ = resolve_target(args.target, dtype="float32", device=args.device)
+    run = Path(args.output_dir)
+    cache = cache_hidden_states(
+        target, read_sequences(run / "data"), layer_ids, run / "hidden", getattr(torch, args.dtype)
+    )
+    print(cache)
+    return 0
+
+
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from ..data import chat_training_prompts, read_prompt_file, stdlib_training_prompts
     from ..tools.loading import resolve_target
@@ -216,6 +239,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="start a new run from this drafter (Hub id or directory): fine-tuning with a fresh optimizer",
     )
     p.set_defaults(func=cmd_train_drafter)
+
+    p = sub.add_parser(
+        "prepare-hidden-states",
+        help="write the target's hidden states of a run's sequences to disk (offline; resumable; torchrun shards it)",
+    )
+    p.add_argument("--target", default=None)
+    p.add_argument("--device", type=device_arg, default="cpu")
+    p.add_argument("--output-dir", required=True, help="the run directory whose data/ holds the sequences")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="target layers the drafter reads")
+    p.add_argument("--drafter", default=None, help="or read them from this drafter's config (Hub id or directory)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="as stored")
+    p.set_defaults(func=cmd_prepare_hidden_states)
 
     p = sub.add_parser("eval-drafter", help="τ by real greedy decoding on held-out prompt sets")
     add_model_args(p)

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 import zlib
 from collections import Counter
@@ -569,7 +570,9 @@ class DrafterTrainer:
         weights, optimizer = full_states(self.drafter, self.optimizer)
         if self.rank != 0:
             return
-        tmp = self.output_dir / f"{CHECKPOINT_DIR}.tmp"
+        tmp, old = (self.output_dir / f"{CHECKPOINT_DIR}.{suffix}" for suffix in ("tmp", "old"))
+        for stale in (tmp, old):  # left by a run killed while saving (`_resume` read the newest already)
+            shutil.rmtree(stale, ignore_errors=True)
         self.drafter.save_pretrained(tmp, state_dict=weights)
         torch.save(
             {
@@ -583,18 +586,16 @@ class DrafterTrainer:
         )
         final = self.output_dir / CHECKPOINT_DIR
         if final.exists():
-            old = self.output_dir / f"{CHECKPOINT_DIR}.old"
             final.rename(old)
-            tmp.rename(final)
-            for path in old.iterdir():
-                path.unlink()
-            old.rmdir()
-        else:
-            tmp.rename(final)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
 
     def _resume(self) -> None:
-        ckpt = self.output_dir / CHECKPOINT_DIR
-        if not (ckpt / STATE_FILE).exists():
+        """Continue from the newest complete checkpoint (`save` writes the state file last, and a run killed
+        between its renames leaves the new one as `.tmp` and the previous one as `.old`)."""
+        names = (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.tmp", f"{CHECKPOINT_DIR}.old")
+        ckpt = next((self.output_dir / n for n in names if (self.output_dir / n / STATE_FILE).exists()), None)
+        if ckpt is None:
             return
         state = torch.load(ckpt / STATE_FILE, weights_only=False)
         weights = BlockDiffusionDrafter.from_pretrained(ckpt).state_dict()
@@ -649,7 +650,6 @@ def train_drafter(
         cache_hidden_states,
         generate_responses,
         generation_eos_ids,
-        hidden_cache_path,
         read_sequences,
     )
 
@@ -693,10 +693,7 @@ def train_drafter(
         init_drafter_from_target(drafter, target)
     hidden_dir = None
     if cache_hidden_states_on_disk:
-        hidden_dir = hidden_cache_path(output_dir / "hidden", drafter.target_layer_ids)
-        if lead:
-            cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
-        barrier()
+        hidden_dir = cache_hidden_states(target, sequences, drafter.target_layer_ids, output_dir / "hidden")
     trainer = DrafterTrainer(drafter, target, sequences, hidden_dir, output_dir, config)
     if refresh_draft_vocab and drafter.d2t is not None:
         trainer.set_draft_vocab(vocab_from_data(drafter.d2t.numel()))
