@@ -423,6 +423,7 @@ def test_generate_reports_device_dtype_and_cost_source_and_times_both_sides_alik
 COMMAND_ARGS = {  # each command with its required arguments
     "generate": ["hi"],
     "train-drafter": ["--output-dir", "{tmp}/run"],
+    "prepare-hidden-states": ["--output-dir", "{tmp}/run", "--target-layer-ids", "1"],
     "eval-drafter": [],
     "collect": ["--output-dir", "{tmp}/labels"],
     "train-policy": ["--labels", "{tmp}/labels", "--output", "{tmp}/policy"],

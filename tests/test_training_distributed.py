@@ -233,3 +233,26 @@ def test_offline_hidden_states_are_sharded_over_ranks_and_train_as_live_ones(tmp
     assert len(losses["offline"]) == len(losses["live"]) == 3
     # live states are computed in bfloat16 where the CPU runs it natively, the offline ones were stored in float32
     torch.testing.assert_close(torch.tensor(losses["offline"]), torch.tensor(losses["live"]), rtol=2e-2, atol=2e-2)
+
+
+def test_prepare_hidden_states_command_writes_the_run_s_states_and_manifest(tmp_path, capsys):
+    from conftest import save_tiny_pair
+
+    from hf_blockpilot.cli import main
+    from hf_blockpilot.training.data import MANIFEST_FILE, RESPONSES_FILE
+
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    data = tmp_path / "run" / "data"
+    data.mkdir(parents=True)
+    rows = [{"id": s.id, "prompt_ids": s.input_ids[:4], "response_ids": s.input_ids[4:]} for s in _sequences()]
+    (data / RESPONSES_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = ["prepare-hidden-states", "--target", str(target_dir), "--output-dir", str(tmp_path / "run")]
+    assert main([*command, "--drafter", str(drafter_dir)]) == 0
+    cache = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    manifest = json.loads((cache / MANIFEST_FILE).read_text())
+    layers = BlockDiffusionDrafter.from_pretrained(drafter_dir).target_layer_ids
+    assert (
+        manifest["layer_ids"] == layers and len(manifest["sequences"]) == len(rows) and manifest["dtype"] == "bfloat16"
+    )
+    assert main(command) == 2  # no layers given: a clear error
+    assert "--target-layer-ids" in capsys.readouterr().err

@@ -30,7 +30,7 @@ def cmd_prepare_hidden_states(args: argparse.Namespace) -> int:
     init_from_torchrun()  # under torchrun every rank computes its share
     layer_ids = args.target_layer_ids
     if layer_ids is None and args.drafter is None:
-        raise SystemExit("prepare-hidden-states: give --target-layer-ids, or --drafter to read them from its config")
+        raise ValueError("give --target-layer-ids, or --drafter to read them from its config")
     if layer_ids is None:
         layer_ids = BlockDiffusionConfig.from_pretrained(args.drafter).dflash_config["target_layer_ids"]
     target, _ = resolve_target(args.target, dtype="float32", device=args.device)
