@@ -39,21 +39,15 @@ def _train(output_dir: Path, fsdp: bool = False, save_every: int = STEPS) -> Non
     torch.manual_seed(0)
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
     init_drafter_from_target(drafter, target)
-    config = DrafterTrainingConfig(
-        block_size=4,
-        anchors_per_sequence=5,
-        sequences_per_step=4,
-        max_steps=STEPS,
-        learning_rate=1e-2,
-        warmup_steps=1,
-        log_every=1,
-        save_every=save_every,
-        eval_every=10_000,
-        bf16=False,
-        validation_fraction=0.0,
-        fsdp=fsdp,
-    )
+    config = _config(save_every=save_every, fsdp=fsdp)
     DrafterTrainer(drafter, target, _sequences(), None, output_dir, config).train()
+
+
+def _config(**overrides) -> DrafterTrainingConfig:
+    """The tests' runs: 4 sequences a step, every step logged, no held-out sequences, float32."""
+    settings = dict(block_size=4, anchors_per_sequence=5, sequences_per_step=4, max_steps=STEPS, learning_rate=1e-2)
+    settings |= dict(warmup_steps=1, log_every=1, save_every=STEPS, bf16=False, validation_fraction=0.0)
+    return DrafterTrainingConfig(**settings | overrides)
 
 
 def _rank(rank: int, world_size: int, rendezvous: str, output_dir: str, fsdp: bool) -> None:
@@ -174,7 +168,7 @@ def test_a_run_killed_between_the_checkpoint_renames_resumes_from_the_new_one(tm
     run = tmp_path / "run"
     (run / "checkpoint").rename(run / "checkpoint.tmp")  # as if killed after moving the old one aside
     (run / "checkpoint.old").mkdir()  # an older, incomplete leftover
-    config = DrafterTrainingConfig(block_size=4, max_steps=STEPS, bf16=False, validation_fraction=0.0)
+    config = _config()
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
     trainer = DrafterTrainer(drafter, target, _sequences(), None, run, config)
@@ -219,16 +213,7 @@ def test_offline_hidden_states_are_sharded_over_ranks_and_train_as_live_ones(tmp
         drafter = BlockDiffusionDrafter.from_target(
             target, num_hidden_layers=1, block_size=4, target_layer_ids=layer_ids
         )
-        config = DrafterTrainingConfig(
-            block_size=4,
-            anchors_per_sequence=5,
-            sequences_per_step=4,
-            max_steps=3,
-            log_every=1,
-            bf16=False,
-            validation_fraction=0.0,
-        )
-        DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / name, config).train()
+        DrafterTrainer(drafter, target, seqs, hidden_dir, tmp_path / name, _config(max_steps=3)).train()
         losses[name] = _losses(tmp_path / name)
     assert len(losses["offline"]) == len(losses["live"]) == 3
     # live states are computed in bfloat16 where the CPU runs it natively, the offline ones were stored in float32
