@@ -57,6 +57,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     for path in args.prompts_file or []:
         prompts += read_prompt_file(path)
+    if args.conversations and rank_and_world_size()[0] == 0:  # the others wait for the data in train_drafter
+        from pathlib import Path
+
+        from ..training.data import read_conversations, write_conversations
+
+        conversations = [seq for path in args.conversations for seq in read_conversations(path, tokenizer)]
+        write_conversations(conversations, Path(args.output_dir) / "data")
     config = DrafterTrainingConfig(
         block_size=args.block_size,
         max_steps=args.max_steps,
@@ -168,6 +175,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         help='more prompts for the target to answer: JSON lines with "prompt" and an optional unique "id"',
+    )
+    p.add_argument(
+        "--conversations",
+        nargs="+",
+        default=None,
+        help="ShareGPT / SpecForge-style JSONL files ({id, conversations: [{role, content}]}), trained on as they "
+        "are: the loss falls on the assistant turns only (with --num-prompts 0 --chat-prompts 0: on them alone)",
     )
     p.add_argument(
         "--generation-batch-size", type=positive_int, default=64, help="prompts answered per target generate call"

@@ -23,6 +23,7 @@ from ..data import PromptRecord
 from .distributed import barrier, rank_and_world_size
 
 RESPONSES_FILE = "responses.jsonl"
+CONVERSATIONS_FILE = "conversations.jsonl"  # tokenized conversations with their assistant spans
 MANIFEST_FILE = "manifest.json"  # what a hidden-state cache holds (`cache_hidden_states`)
 
 logger = logging.getLogger(__name__)
@@ -31,11 +32,23 @@ MAX_PROMPT_TOKENS = 384  # longer prompts keep their last tokens
 
 @dataclass
 class TrainingSequence:
-    """Prompt + target response token ids; tokens from `response_start` on are supervised."""
+    """Token ids of a conversation: tokens from `response_start` on are supervised, or, where `spans` are given,
+    only those in them (each an assistant turn's `[start, end)`, as `read_conversations` finds them)."""
 
     id: str
     input_ids: list[int]
     response_start: int
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def supervised_spans(self) -> tuple[tuple[int, int], ...]:
+        return self.spans or ((self.response_start, len(self.input_ids)),)
+
+    def supervised_tokens(self) -> list[int]:
+        return [t for start, end in self.supervised_spans() for t in self.input_ids[start:end]]
+
+    def anchor_candidates(self) -> list[int]:
+        """Positions whose block's slot 1 (the next token) is supervised."""
+        return [p for start, end in self.supervised_spans() for p in range(max(start - 1, 0), end - 1)]
 
 
 def generation_eos_ids(model: PreTrainedModel) -> list[int]:
@@ -81,20 +94,85 @@ def unseen_prompts(
 
 
 def read_sequences(data_dir: str | Path) -> list[TrainingSequence]:
-    """Sequences stored by `generate_responses` in `data_dir`."""
-    path = Path(data_dir) / RESPONSES_FILE
-    if not path.exists():
+    """Sequences stored in `data_dir`: the target's answers (`generate_responses`) and tokenized conversations
+    (`write_conversations`)."""
+    paths = [Path(data_dir) / name for name in (RESPONSES_FILE, CONVERSATIONS_FILE)]
+    if not any(path.exists() for path in paths):
         raise FileNotFoundError(
-            f"no {RESPONSES_FILE} in {data_dir}: run `hf-blockpilot train-drafter` data generation first"
+            f"no {RESPONSES_FILE} or {CONVERSATIONS_FILE} in {data_dir}: run `hf-blockpilot train-drafter` data "
+            "generation first, or give it --conversations"
         )
     out = []
-    with path.open() as f:
-        for line in f:
-            if not line.endswith("\n"):  # a line still being written by a running generation
-                break
-            row = json.loads(line)
-            out.append(TrainingSequence(row["id"], row["prompt_ids"] + row["response_ids"], len(row["prompt_ids"])))
+    for path in (p for p in paths if p.exists()):
+        with path.open() as f:
+            for line in f:
+                if not line.endswith("\n"):  # a line still being written by a running generation
+                    break
+                row = json.loads(line)
+                if "spans" in row:
+                    spans = tuple(tuple(span) for span in row["spans"])
+                    out.append(TrainingSequence(row["id"], row["input_ids"], spans[0][0], spans))
+                else:
+                    ids = row["prompt_ids"] + row["response_ids"]
+                    out.append(TrainingSequence(row["id"], ids, len(row["prompt_ids"])))
     return out
+
+
+#: ShareGPT role names, as SpecForge-style data writes them, and the chat-template roles they stand for.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def read_conversations(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[TrainingSequence]:
+    """ShareGPT / SpecForge-style JSONL (`{"id": ..., "conversations": [{"role": ..., "content": ...}, ...]}`, or
+    `from` / `value` keys with ShareGPT's `human` / `gpt` roles) as sequences supervised on the assistant turns
+    only: the chat template is applied to the whole conversation, and each assistant turn's tokens are those the
+    template adds for it after the turns before it (with the generation prompt). A ValueError names a line whose
+    template does not extend the earlier turns' tokens that way."""
+    out = []
+    with Path(path).open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            messages = [
+                {
+                    "role": SHAREGPT_ROLES[turn.get("role", turn.get("from"))],
+                    "content": turn.get("content", turn.get("value")),
+                }
+                for turn in row["conversations"]
+            ]
+            ids = _template_ids(tokenizer, messages, add_generation_prompt=False)
+            spans = []
+            for k, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = _template_ids(tokenizer, messages[:k], add_generation_prompt=True)
+                through = _template_ids(tokenizer, messages[: k + 1], add_generation_prompt=False)
+                if ids[: len(before)] != before or ids[: len(through)] != through:
+                    raise ValueError(
+                        f"{path}:{number}: the chat template does not extend the earlier turns' tokens at turn {k}, so "
+                        "the assistant's tokens cannot be told apart: use a template that renders turns in order"
+                    )
+                spans.append((len(before), len(through)))
+            if spans:
+                out.append(
+                    TrainingSequence(str(row.get("id", f"{Path(path).stem}/{number}")), ids, spans[0][0], tuple(spans))
+                )
+    return out
+
+
+def write_conversations(sequences: Sequence[TrainingSequence], data_dir: str | Path) -> Path:
+    """Store `read_conversations`' sequences in `data_dir` (`read_sequences` reads them with the answers)."""
+    path = Path(data_dir) / CONVERSATIONS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = ({"id": s.id, "input_ids": s.input_ids, "spans": [list(span) for span in s.spans]} for s in sequences)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _template_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _batches(items: Sequence, size: int) -> Iterator[Sequence]:

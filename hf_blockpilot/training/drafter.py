@@ -117,7 +117,7 @@ def build_draft_vocab(
     """A reduced draft vocabulary of `size` target ids, sorted: `always` (e.g. EOS), then the most frequent
     response tokens, then, if the data has fewer distinct tokens and `vocab_size` is given, the lowest
     unused ids (BPE assigns low ids to early, frequent merges)."""
-    counts = Counter(tok for seq in sequences for tok in seq.input_ids[seq.response_start :])
+    counts = Counter(tok for seq in sequences for tok in seq.supervised_tokens())
     chosen = list(dict.fromkeys(list(always) + [tok for tok, _ in counts.most_common(size)]))[:size]
     if vocab_size is not None and len(chosen) < size:
         taken = set(chosen)
@@ -208,7 +208,7 @@ class DrafterTrainer:
         if self.world_size > 1 and not self.sharded:
             # the buffers (draft vocabulary map, rotary frequencies) never change: no broadcast in every forward
             self.model = DistributedDataParallel(drafter, broadcast_buffers=False)
-        usable = [s for s in sequences if len(s.input_ids) - s.response_start >= 2]
+        usable = [s for s in sequences if len(s.supervised_tokens()) >= 2]
         held_out = [is_validation_sequence(s.id, config.validation_fraction) for s in usable]
         self.sequences = [s for s, v in zip(usable, held_out, strict=True) if not v]
         self.validation = sorted((s for s, v in zip(usable, held_out, strict=True) if v), key=lambda s: s.id)
@@ -268,7 +268,7 @@ class DrafterTrainer:
 
     def vocab_coverage(self) -> float:
         """Share of the training response tokens the draft vocabulary can propose (1.0 for the full one)."""
-        tokens = torch.tensor([t for s in self.sequences for t in s.input_ids[s.response_start :]])
+        tokens = torch.tensor([t for s in self.sequences for t in s.supervised_tokens()])
         return (self.target_to_draft[tokens] >= 0).float().mean().item() if tokens.numel() else 1.0
 
     # ------------------------------------------------------------------------------------------ one step
@@ -308,9 +308,12 @@ class DrafterTrainer:
         lengths = [len(seq.input_ids) for seq in batch]
         width = hidden.shape[1]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
+        supervised = torch.zeros((len(batch), width), dtype=torch.bool)  # labels only on supervised tokens
         anchor_rows, block_valid = [list(row) for row in anchors], []
         for row, seq in enumerate(batch):
             ids[row, : lengths[row]] = torch.tensor(seq.input_ids)
+            for start, end in seq.supervised_spans():
+                supervised[row, start:end] = True
         n = max(len(chosen) for chosen in anchor_rows)
         for chosen in anchor_rows:
             block_valid.append([True] * len(chosen) + [False] * (n - len(chosen)))
@@ -322,10 +325,10 @@ class DrafterTrainer:
         rows = torch.arange(len(batch))[:, None]
         block_ids = torch.full_like(positions, self.drafter.mask_token_id)
         block_ids[:, ::b] = ids[rows, anchors]
-        label_pos = anchors[:, :, None] + offsets[1:]
-        length = torch.tensor(lengths)[:, None, None]
-        valid = (label_pos < length) & block_valid[:, :, None]
-        labels = torch.where(valid, ids[rows[:, :, None], label_pos.clamp(max=width - 1)], -100)
+        label_pos = (anchors[:, :, None] + offsets[1:]).clamp(max=width - 1)
+        valid = supervised[rows[:, :, None], label_pos] & (anchors[:, :, None] + offsets[1:] < width)
+        valid &= block_valid[:, :, None]
+        labels = torch.where(valid, ids[rows[:, :, None], label_pos], -100)
         draft_labels = torch.where(valid, self.target_to_draft[labels.clamp(min=0)], -100)
         mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
@@ -375,7 +378,7 @@ class DrafterTrainer:
             # the global batch, drawn alike on every rank; each rank takes its share, every sequence its own
             # anchor draws (seeded by the step and its place in the batch, whatever rank holds it)
             batch = self.rng.sample(self.sequences, min(cfg.sequences_per_step, len(self.sequences)))
-            tokens += sum(len(seq.input_ids) - seq.response_start for seq in batch)
+            tokens += sum(len(seq.supervised_tokens()) for seq in batch)
             mine = range(self.rank, len(batch), self.world_size)
             local = [batch[i] for i in mine]
             self.optimizer.zero_grad(set_to_none=True)
@@ -451,12 +454,12 @@ class DrafterTrainer:
         for seq, count, rng, taken in zip(
             batch, self._anchor_counts(batch), rngs, chosen or [()] * len(batch), strict=True
         ):
-            rest = [a for a in range(seq.response_start - 1, len(seq.input_ids) - 1) if a not in taken]
+            rest = [a for a in seq.anchor_candidates() if a not in taken]
             rows.append(sorted([*taken, *rng.sample(rest, count - len(taken))]))
         return rows
 
     def _anchor_counts(self, batch: Sequence[TrainingSequence]) -> list[int]:
-        return [min(self.config.anchors_per_sequence, len(seq.input_ids) - seq.response_start) for seq in batch]
+        return [min(self.config.anchors_per_sequence, len(seq.anchor_candidates())) for seq in batch]
 
     def decoding_anchors(
         self,
