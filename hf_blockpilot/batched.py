@@ -1,7 +1,7 @@
-"""Batched block-diffusion speculative decoding: `generate(**batch, assistant_model=drafter)` with batch size > 1.
+"""The decoding loop of `generate(..., assistant_model=drafter)` for every batch size (one row is a batch of one).
 
-Transformers' assisted-decoding loop serves batch size 1 only, so a batch runs this loop instead (the design,
-and what it pads, recomputes and wastes, is written down in docs/batched.md):
+`custom_generate.generate` runs it (the design, and what a batch pads, recomputes and wastes, is written down
+in docs/batched.md; the compiled variant in docs/compile.md):
 
   prefill: the plain batched prefill (left padding, position ids from the attention mask, as plain `generate`);
   per row: its own controller (a copy of the call's) picks the row's width from the row's own prefill states
