@@ -53,11 +53,8 @@ def summed_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 def on_any_rank(flag: bool) -> bool:
     """Whether `flag` holds on any rank (so that every rank takes the same branch around a collective)."""
-    if rank_and_world_size()[1] == 1:
-        return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"  # reduces GPU tensors only
+    return bool(summed_over_ranks(torch.tensor([int(flag)], device="cuda" if nccl else "cpu")).item())
 
 
 def barrier() -> None:
