@@ -485,7 +485,7 @@ class BatchedSpeculativeDecoder:
         block = self.anchor[:, None] if widest == 0 else torch.cat([self.anchor[:, None], drafts[:, :widest]], dim=1)
         block = block.masked_fill(~valid, self.pad_token_id)
         positions = self.next_position[:, None] + slots[None, :]
-        outputs = self._verify(block, [k + 1 for k in keeps])
+        outputs = self._verify(block, positions, [k + 1 for k in keeps])
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
         raw = outputs.logits[:, : widest + 1]
@@ -522,7 +522,7 @@ class BatchedSpeculativeDecoder:
         """
         block = self.anchor[:, None]
         rows = len(self.rows)
-        outputs = self._verify(block, [1] * rows, keep_states=False)
+        outputs = self._verify(block, self.next_position[:, None], [1] * rows, keep_states=False)
         self.stats.verify_slots += rows
         raw = outputs.logits[:, :1]
         logits = self._process(raw.float(), block)
@@ -671,12 +671,11 @@ class BatchedSpeculativeDecoder:
         return rounds
 
     # --------------------------------------------------------------------------------------- verifying
-    def _verify(self, block: torch.Tensor, slots: list[int], keep_states: bool = True) -> Any:
-        """The target forward over each row's next `block` (rows, n) after the prefill, row r's first `slots[r]`
-        real."""
+    def _verify(self, block: torch.Tensor, positions: torch.Tensor, slots: list[int], keep_states: bool = True) -> Any:
+        """The target forward over each row's next `block` (rows, n) at `positions`, after the prefill, row r's
+        first `slots[r]` real."""
         if self.compiled is not None:  # compiled graphs guard on strides too: always a fresh, contiguous block
             block = block.clone(memory_format=torch.contiguous_format)
-        positions = self.next_position[:, None] + torch.arange(block.shape[1], device=self.device)[None, :]
         with slot_key_lengths(self.plan.host_lengths, slots, self.plan.padded):
             mask = self.plan.prepare(block.shape[1])
             return self._forward(block, positions, mask, block.shape[1], keep_states, self.compiled)

@@ -85,8 +85,11 @@ def generate(
             compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
-    kernel_rows = controller.cost_model.kernel_rows if cpu_kernels and not compile else ()
-    view, end_kernels = (model, lambda: None) if compile else use_verify_kernels(model, kernel_rows, unpadded, rows)
+    if compile:  # compiled stock forwards: no verify kernels, no exact path
+        view, end_kernels = model, lambda: None
+    else:
+        kernel_rows = controller.cost_model.kernel_rows if cpu_kernels else ()
+        view, end_kernels = use_verify_kernels(model, kernel_rows, unpadded, rows)
     try:
         decoder = build_decoder(
             view,

@@ -27,6 +27,12 @@ def tokenizer():
     return tokenizer
 
 
+def _conversation(*turns: str, **extra) -> dict:
+    """A role/content conversation whose turns alternate user, assistant, user, ..."""
+    roles = ("user", "assistant")
+    return {**extra, "conversations": [{"role": roles[i % 2], "content": turn} for i, turn in enumerate(turns)]}
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -36,17 +42,9 @@ def test_assistant_turns_are_the_supervised_spans_in_either_layout(tmp_path, tok
     path = _write(
         tmp_path / "chat.jsonl",
         [
-            {
-                "id": "two-turns",
-                "conversations": [
-                    {"role": "user", "content": "abc"},
-                    {"role": "assistant", "content": "defg"},
-                    {"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": "jklmn"},
-                ],
-            },
+            _conversation("abc", "defg", "hi", "jklmn", id="two-turns"),
             {"conversations": [{"from": "human", "value": "xy"}, {"from": "gpt", "value": "zz"}]},
-            {"id": "no-answer", "conversations": [{"role": "user", "content": "abc"}]},
+            _conversation("abc", id="no-answer"),
         ],
     )
     first, second = read_conversations(path, tokenizer)  # a conversation without an assistant turn is left out
@@ -64,29 +62,13 @@ def test_a_template_that_does_not_extend_earlier_turns_is_a_clear_error(tmp_path
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}Q{% endif %}"
     )
-    path = _write(
-        tmp_path / "chat.jsonl",
-        [{"conversations": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]}],
-    )
+    path = _write(tmp_path / "chat.jsonl", [_conversation("ab", "cd")])
     with pytest.raises(ValueError, match=r"chat.jsonl:1: the chat template does not extend"):
         read_conversations(path, tokenizer)
 
 
 def test_blocks_reaching_into_a_user_turn_carry_no_loss_there(tmp_path, tokenizer):
-    path = _write(
-        tmp_path / "chat.jsonl",
-        [
-            {
-                "id": "c",
-                "conversations": [
-                    {"role": "user", "content": "abcdef"},
-                    {"role": "assistant", "content": "ghijkl"},
-                    {"role": "user", "content": "mnopqr"},
-                    {"role": "assistant", "content": "stuvwx"},
-                ],
-            }
-        ],
-    )
+    path = _write(tmp_path / "chat.jsonl", [_conversation("abcdef", "ghijkl", "mnopqr", "stuvwx", id="c")])
     (seq,) = read_conversations(path, tokenizer)
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
     drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
@@ -108,13 +90,7 @@ def test_train_drafter_trains_on_conversations_alone(tmp_path, tokenizer):
 
     target_dir, _ = save_tiny_pair(tmp_path)
     tokenizer.save_pretrained(target_dir)  # the turn-by-turn template
-    rows = [
-        {
-            "id": f"c{i}",
-            "conversations": [{"role": "user", "content": "abcd"[i:]}, {"role": "assistant", "content": "efghijk"}],
-        }
-        for i in range(3)
-    ]
+    rows = [_conversation("abcd"[i:], "efghijk", id=f"c{i}") for i in range(3)]
     path = _write(tmp_path / "chat.jsonl", rows)
     run = tmp_path / "run"
     command = ["train-drafter", "--target", str(target_dir), "--output-dir", str(run), "--conversations", str(path)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -20,8 +21,6 @@ from ._common import (
 
 
 def cmd_prepare_hidden_states(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..configuration_block_diffusion import BlockDiffusionConfig
     from ..tools.loading import resolve_target
     from ..training.data import cache_hidden_states, read_sequences
@@ -58,8 +57,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     for path in args.prompts_file or []:
         prompts += read_prompt_file(path)
     if args.conversations and rank_and_world_size()[0] == 0:  # the others wait for the data in train_drafter
-        from pathlib import Path
-
         from ..training.data import read_conversations, write_conversations
 
         conversations = [seq for path in args.conversations for seq in read_conversations(path, tokenizer)]
@@ -102,7 +99,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def cmd_eval_drafter(args: argparse.Namespace) -> int:
     from dataclasses import asdict
-    from pathlib import Path
 
     from ..data import load_prompts
     from ..tools.evaluation import measure_tau, replay_tau

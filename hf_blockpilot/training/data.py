@@ -278,11 +278,6 @@ def target_hidden_states(
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(dtype)
 
 
-def hidden_cache_path(cache_dir: str | Path, layer_ids: Sequence[int]) -> Path:
-    """Where `cache_hidden_states` keeps the states of these target layers under `cache_dir`."""
-    return Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
-
-
 def cache_hidden_states(
     target: PreTrainedModel,
     sequences: Sequence[TrainingSequence],
@@ -299,7 +294,7 @@ def cache_hidden_states(
     missing sequences (every world-size-th, by id), then rank 0 writes the manifest.
     """
     rank, world_size = rank_and_world_size()
-    cache_dir = hidden_cache_path(cache_dir, layer_ids)
+    cache_dir = Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
     cache_dir.mkdir(parents=True, exist_ok=True)
     missing = [s for s in sequences if not _hidden_file(cache_dir, s).exists()]
     token_bytes = len(layer_ids) * target.config.get_text_config().hidden_size * dtype.itemsize

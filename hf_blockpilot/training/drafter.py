@@ -435,7 +435,8 @@ class DrafterTrainer:
         """Per sequence, up to `anchors_per_sequence` anchors: a `decoding_anchor_fraction` share from
         `decoding_anchors` over a window of twice that many positions (where real rounds start), the rest
         random (drawn from the sequence's own `rngs` entry), all distinct and sorted."""
-        wanted = [round(self.config.decoding_anchor_fraction * n) for n in self._anchor_counts(batch)]
+        counts = [min(self.config.anchors_per_sequence, len(seq.anchor_candidates())) for seq in batch]
+        wanted = [round(self.config.decoding_anchor_fraction * n) for n in counts]
         chosen = [
             self.decoding_anchors(seq, hidden[row], 2 * n, rng)[:n] if n else []
             for row, (seq, n, rng) in enumerate(zip(batch, wanted, rngs, strict=True))
@@ -451,15 +452,13 @@ class DrafterTrainer:
         """Per sequence, its `chosen` anchors and random ones (from its `rngs` entry) up to `anchors_per_sequence`,
         distinct and sorted; an anchor's slot 1 always has a label."""
         rows = []
-        for seq, count, rng, taken in zip(
-            batch, self._anchor_counts(batch), rngs, chosen or [()] * len(batch), strict=True
-        ):
-            rest = [a for a in seq.anchor_candidates() if a not in taken]
+        for seq, rng, taken in zip(batch, rngs, chosen or [()] * len(batch), strict=True):
+            candidates = seq.anchor_candidates()
+            count = min(self.config.anchors_per_sequence, len(candidates))
+            excluded = set(taken)
+            rest = [a for a in candidates if a not in excluded]
             rows.append(sorted([*taken, *rng.sample(rest, count - len(taken))]))
         return rows
-
-    def _anchor_counts(self, batch: Sequence[TrainingSequence]) -> list[int]:
-        return [min(self.config.anchors_per_sequence, len(seq.anchor_candidates())) for seq in batch]
 
     def decoding_anchors(
         self,
@@ -594,9 +593,9 @@ class DrafterTrainer:
         shutil.rmtree(old, ignore_errors=True)
 
     def _resume(self) -> None:
-        """Continue from the newest complete checkpoint (`save` writes the state file last, and a run killed
-        between its renames leaves the new one as `.tmp` and the previous one as `.old`)."""
-        names = (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.tmp", f"{CHECKPOINT_DIR}.old")
+        """Continue from the newest complete checkpoint: `save` writes the state file last, so a `.tmp` with one is
+        complete, and a run killed between its renames left the new checkpoint there."""
+        names = (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.tmp")
         ckpt = next((self.output_dir / n for n in names if (self.output_dir / n / STATE_FILE).exists()), None)
         if ckpt is None:
             return
