@@ -6,12 +6,17 @@ import importlib.util
 import re
 
 import pytest
+from conftest import char_tokenizer
 
 from hf_blockpilot.data import (
     EVAL_DATASETS,
     PromptRecord,
+    chat_inputs,
+    chat_text,
     chat_training_prompts,
+    follow_up_prompts,
     load_prompts,
+    short_answer_prompts,
     stdlib_training_prompts,
 )
 from hf_blockpilot.data import evaluation_sets as datasets
@@ -102,6 +107,32 @@ def test_chat_prompts_exclude_mtbench() -> None:
     _require("mtbench")
     held_out = {record.prompt for record in load_prompts("mtbench")}
     assert not held_out & {record.prompt for record in chat_training_prompts(2000, seed=0)}
+
+
+def test_short_answer_prompts_deterministic_distinct_and_filled() -> None:
+    prompts = short_answer_prompts(200, seed=3)
+    assert prompts == short_answer_prompts(200, seed=3)
+    assert [r.prompt for r in prompts] != [r.prompt for r in short_answer_prompts(200, seed=4)]
+    assert len({r.prompt for r in prompts}) == len({r.id for r in prompts}) == 200
+    assert all(r.dataset == "short" and not r.history and "{" not in r.prompt for r in prompts)
+    assert len({r.prompt.split()[0] for r in prompts}) >= 8  # many kinds of request, not one template
+    assert short_answer_prompts(0) == []
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        short_answer_prompts(-1)
+
+
+def test_follow_up_prompts_carry_the_first_exchange_into_the_chat() -> None:
+    first = PromptRecord("chat/1", "chat", "Tell me about bees.")
+    (record,) = follow_up_prompts([(first, "Bees make honey.")], seed=0)
+    assert record.id == "multiturn/chat/1" and record.dataset == "multiturn"
+    assert record.history == (("Tell me about bees.", "Bees make honey."),)
+    (again,) = follow_up_prompts([(record, "Short: honey.")], seed=0)  # a third turn keeps both earlier ones
+    assert again.history == (*record.history, (record.prompt, "Short: honey."))
+    tokenizer = char_tokenizer(48)
+    assert chat_text(tokenizer, "c", (("a", "b"),)) == "abcQ"  # the test template: contents, then "Q"
+    assert chat_inputs(tokenizer, "c", "cpu", (("a", "b"),)).tolist() == [[1, 2, 3, 43]]
+    tokenizer.chat_template = None
+    assert chat_text(tokenizer, "c", (("a", "b"),)) == "a\n\nb\n\nc"
 
 
 def test_read_prompt_file(tmp_path) -> None:

@@ -9,6 +9,7 @@ from conftest import save_tiny_pair
 
 from hf_blockpilot import BlockPilotPolicy
 from hf_blockpilot.cli import main
+from hf_blockpilot.data import chat_training_prompts, stdlib_training_prompts
 from hf_blockpilot.training.oracle import read_oracle_labels
 
 
@@ -359,3 +360,18 @@ def test_composed_labels_under_the_adaptive_controller(tmp_path, capsys):
     assert main(tau) == 2
     assert "collect the labels without --adaptive" in capsys.readouterr().err
     assert BlockPilotPolicy.from_pretrained(tmp_path / "p2").acceptance_model == first.acceptance_model
+
+
+def test_collect_short_and_multi_turn_prompts(tmp_path):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    models = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--device", "cpu"]
+    args = ["--num-prompts", "2", "--candidates", "1", "3", "--feature-layers", "1", "3", "--temperatures", "0"]
+    labels = tmp_path / "labels"
+    command = ["collect", *models, "--output-dir", str(labels), "--dataset", "short", "multiturn", *args]
+    assert main([*command, "--max-new-tokens", "6"]) == 0
+    records = read_oracle_labels(labels)
+    assert [r.dataset for r in records] == ["short", "short", "multiturn", "multiturn"]
+    # follow-ups to a chat and a code request (drawn with the next seed), whose prompts hold that first request
+    firsts = [chat_training_prompts(1, seed=2)[0], stdlib_training_prompts(1, seed=2)[0]]
+    assert [r.id for r in records[2:]] == [f"multiturn/{first.id}" for first in firsts]
+    assert all(r.prompt_tokens > len(first.prompt) + 1 for r, first in zip(records[2:], firsts, strict=True))

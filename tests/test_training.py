@@ -201,7 +201,11 @@ def test_unseen_prompts_leave_out_training_prompts_by_id_and_by_tokens(tmp_path)
     responses = tmp_path / "responses.jsonl"
     rows = [
         {"id": "x/0", "prompt_ids": [9], "response_ids": [1]},  # same id
-        {"id": "other-seed/7", "prompt_ids": chat_prompt_ids(tokenizer, "ghi"), "response_ids": [1]},  # same text
+        {
+            "id": "other-seed/7",
+            "prompt_ids": chat_prompt_ids(tokenizer, PromptRecord("y", "y", "ghi")),
+            "response_ids": [1],
+        },  # same text
     ]
     responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [p.id for p in unseen_prompts(prompts, tokenizer, responses, limit=2)] == ["x/1", "x/3"]

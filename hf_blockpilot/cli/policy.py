@@ -24,9 +24,15 @@ _FRESH_PROMPT_POOL = 12_000  # candidates drawn per generator before a drafter's
 def cmd_collect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..data import chat_training_prompts, load_prompts, stdlib_training_prompts
+    from ..data import (
+        chat_training_prompts,
+        follow_up_prompts,
+        load_prompts,
+        short_answer_prompts,
+        stdlib_training_prompts,
+    )
     from ..device_calibration import calibrate
-    from ..training.data import unseen_prompts
+    from ..training.data import target_answers, unseen_prompts
     from ..training.oracle import collect_oracle_labels
 
     if args.adaptive and args.cost_model is False:
@@ -35,15 +41,20 @@ def cmd_collect(args: argparse.Namespace) -> int:
         )
     time_costs = args.adaptive if args.cost_model is None else args.cost_model
     target, tokenizer, drafter = load_models(args)
+    generators = {"stdlib": stdlib_training_prompts, "chat": chat_training_prompts, "short": short_answer_prompts}
+
+    def fresh(name: str, count: int, seed: int) -> list:  # a drafter's τ on its own training data is inflated
+        pool = generators[name](max(count, _FRESH_PROMPT_POOL) if args.exclude_responses else count, seed=seed)
+        return unseen_prompts(pool, tokenizer, args.exclude_responses, count)
+
     prompts = []
     for name in args.dataset:  # --num-prompts of each
-        if name in ("stdlib", "chat"):  # fresh prompts: a drafter's τ on its own training data is inflated
-            make = stdlib_training_prompts if name == "stdlib" else chat_training_prompts
-            pool = make(
-                max(args.num_prompts, _FRESH_PROMPT_POOL) if args.exclude_responses else args.num_prompts,
-                seed=args.seed,
-            )
-            prompts += unseen_prompts(pool, tokenizer, args.exclude_responses, args.num_prompts)
+        if name in generators:
+            prompts += fresh(name, args.num_prompts, args.seed)
+        elif name == "multiturn":  # a follow-up to the target's own answer of a first chat or code request
+            half = args.num_prompts // 2
+            firsts = fresh("chat", args.num_prompts - half, args.seed + 1) + fresh("stdlib", half, args.seed + 1)
+            prompts += follow_up_prompts(target_answers(target, tokenizer, firsts, args.max_new_tokens), args.seed)
         else:
             prompts += load_prompts(name, args.num_prompts)
     shard, num_shards = shard_of(args)
@@ -225,7 +236,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dataset",
         nargs="+",
         default=["stdlib"],
-        help="stdlib / chat (training-prompt generators) and/or evaluation set names",
+        help="stdlib / chat / short / multiturn (training-prompt generators; multiturn: a follow-up to the "
+        "target's answer of a first chat or code request) and/or evaluation set names",
     )
     p.add_argument("--num-prompts", type=positive_int, default=200, help="prompts per dataset")
     p.add_argument(

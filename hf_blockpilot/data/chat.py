@@ -8,20 +8,28 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 
-def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
-    """The prompt as text, with the tokenizer's chat template applied when it has one."""
+def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str, history: Sequence[tuple[str, str]] = ()) -> str:
+    """The prompt as text, after the earlier `(user, assistant)` exchanges of `history`, with the tokenizer's chat
+    template applied when it has one (else the turns joined by blank lines)."""
     if tokenizer.chat_template:
+        messages = [
+            {"role": role, "content": text} for turn in history for role, text in zip(("user", "assistant"), turn)
+        ]
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            [*messages, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    return prompt
+    return "\n\n".join([*(text for turn in history for text in turn), prompt])
 
 
-def chat_inputs(tokenizer: PreTrainedTokenizerBase, prompt: str, device: torch.device | str) -> torch.Tensor:
-    """Prompt ids (1, n) with the tokenizer's chat template applied when it has one."""
-    return tokenizer(chat_text(tokenizer, prompt), return_tensors="pt", add_special_tokens=False)["input_ids"].to(
-        device
-    )
+def chat_inputs(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    device: torch.device | str,
+    history: Sequence[tuple[str, str]] = (),
+) -> torch.Tensor:
+    """Prompt ids (1, n) as `chat_text` formats them."""
+    text = chat_text(tokenizer, prompt, history)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
 
 
 def chat_batch(

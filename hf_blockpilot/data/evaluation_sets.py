@@ -34,11 +34,13 @@ EVAL_DATASETS: tuple[str, ...] = ("humaneval", "mtbench", "gsm8k")
 
 @dataclass
 class PromptRecord:
-    """One prompt: ``id`` (stable within its dataset), ``dataset`` name and the user-turn ``prompt`` text."""
+    """One prompt: ``id`` (stable within its dataset), ``dataset`` name and the user-turn ``prompt`` text; in a
+    multi-turn conversation, ``history`` holds the earlier ``(user, assistant)`` exchanges, oldest first."""
 
     id: str
     dataset: str
     prompt: str
+    history: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import os
 import random
 import re
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -404,3 +404,109 @@ def chat_training_prompts(n: int, seed: int = 0) -> list[PromptRecord]:
         seen.add(prompt)
         records.append(PromptRecord(id=f"chat/{len(records):05d}/{kind}", dataset="chat", prompt=prompt))
     return records
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Short answers and follow-up turns (policy labels: requests as varied as real use)
+# --------------------------------------------------------------------------------------------------------------
+
+_WORDS: tuple[str, ...] = (
+    "happy", "fast", "ancient", "bright", "generous", "quiet", "difficult", "warm", "honest", "narrow", "strong",
+    "empty", "careful", "simple", "early", "rich", "heavy", "loud", "polite", "brave",
+)  # fmt: skip
+_COUNTRIES: tuple[str, ...] = (
+    "France", "Japan", "Brazil", "Canada", "Egypt", "Kenya", "Australia", "Norway", "India", "Mexico", "Spain",
+    "Italy", "Germany", "Chile", "Vietnam", "Peru", "Greece", "Poland", "Morocco", "Thailand",
+)  # fmt: skip
+_LANGUAGES: tuple[str, ...] = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch")
+_PHRASES: tuple[str, ...] = (
+    "good morning", "thank you very much", "where is the train station?", "I like tea", "see you tomorrow",
+    "how much does this cost?", "the weather is nice today", "happy birthday",
+)  # fmt: skip
+_ONE_LINERS: tuple[str, ...] = (
+    "reverses a string s", "counts the vowels in a string s", "sums the even numbers in a list xs",
+    "removes duplicates from a list xs while keeping order", "returns the largest value in a dict d",
+    "checks whether a string s is a palindrome", "flattens a list of lists xs", "squares every number in xs",
+    "sorts a list of words by length", "joins a list of strings with commas",
+)  # fmt: skip
+
+_SHORT_TEMPLATES: tuple[str, ...] = (
+    "Define {topic} in one sentence.",
+    "Give a one-line summary of {topic}.",
+    "Name three words related to {topic}. Reply with the words only.",
+    "Write a title for an article about {topic}. Reply with the title only.",
+    "Yes or no: is {topic} related to {other}?",
+    "What is {a} plus {b}? Reply with the number only.",
+    "What is {a} times {b}? Answer with just the number.",
+    "Is {c} an even number? Answer yes or no.",
+    "Which is larger, {a} or {c}?",
+    "What is the opposite of '{word}'?",
+    "Give one synonym for '{word}'.",
+    "What is the capital of {country}?",
+    "Translate '{phrase}' into {language}.",
+    "Write one line of Python that {task}.",
+    "In one word, how would you describe {topic}?",
+)
+
+_FOLLOW_UPS: tuple[str, ...] = (
+    "Can you make that shorter?",
+    "Summarize your answer in one sentence.",
+    "Give me a concrete example.",
+    "Explain the first point in more detail.",
+    "Now rewrite it for a ten-year-old.",
+    "Turn your answer into a numbered list.",
+    "What are the limitations of that?",
+    "Thanks. What should I do first?",
+    "Can you say that more formally?",
+    "Write it again, but as a short poem.",
+)
+
+
+def short_answer_prompts(n: int, seed: int = 0) -> list[PromptRecord]:
+    """Build ``n`` requests whose answers are a word, a number or a line: definitions, arithmetic, yes/no,
+    translations, capitals, one-line Python. Deterministic for a given ``seed``; ids look like
+    ``"short/00042"``; ``dataset`` is ``"short"``."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    for _ in range(50 * n + 1000):
+        if len(records) >= n:
+            break
+        topic, other = rng.sample(_TOPICS, 2)
+        a, b = rng.randint(2, 99), rng.randint(2, 12)
+        prompt = rng.choice(_SHORT_TEMPLATES).format(
+            topic=topic,
+            other=other,
+            a=a,
+            b=b,
+            c=rng.randint(a + 1, 999),
+            word=rng.choice(_WORDS),
+            country=rng.choice(_COUNTRIES),
+            phrase=rng.choice(_PHRASES),
+            language=rng.choice(_LANGUAGES),
+            task=rng.choice(_ONE_LINERS),
+        )
+        if prompt not in seen:
+            seen.add(prompt)
+            records.append(PromptRecord(id=f"short/{len(records):05d}", dataset="short", prompt=prompt))
+    if len(records) < n:
+        raise ValueError(f"only {len(records)} distinct short-answer prompts could be built, {n} asked")
+    return records
+
+
+def follow_up_prompts(exchanges: Sequence[tuple[PromptRecord, str]], seed: int = 0) -> list[PromptRecord]:
+    """A second user turn for each ``(first prompt, the target's answer)`` exchange: "make that shorter", "give an
+    example", ... Deterministic for a given ``seed``; ids are ``"multiturn/<first id>"``; ``dataset`` is
+    ``"multiturn"``."""
+    rng = random.Random(seed)
+    return [
+        PromptRecord(
+            id=f"multiturn/{record.id}",
+            dataset="multiturn",
+            prompt=rng.choice(_FOLLOW_UPS),
+            history=(*record.history, (record.prompt, answer)),
+        )
+        for record, answer in exchanges
+    ]

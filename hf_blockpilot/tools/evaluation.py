@@ -300,7 +300,7 @@ def decode_methods(
     warm_controllers = [c for c in (methods.get("policy"), methods["default"]) if c is not None]
     results = []
     for record in tqdm(prompts, desc="decoding", unit="prompt"):
-        input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+        input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
         # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
         for model in plains.values():
             timed_generate(model, input_ids, max_new_tokens=4, do_sample=False)

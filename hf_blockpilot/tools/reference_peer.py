@@ -191,7 +191,7 @@ class ReferencePeer:
     def _compare_one(
         self, target, tokenizer, record, block_sizes, max_new_tokens, temperature, repeats
     ) -> list[PeerRun]:
-        input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+        input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
         plain = target.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
         )[0, input_ids.shape[1] :]

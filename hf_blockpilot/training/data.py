@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import runs_bf16_natively
-from ..data import PromptRecord
+from ..data import PromptRecord, chat_inputs, chat_text
 from .distributed import barrier, rank_and_world_size
 
 RESPONSES_FILE = "responses.jsonl"
@@ -57,12 +57,11 @@ def generation_eos_ids(model: PreTrainedModel) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, max_length: int | None = None) -> list[int]:
-    """Token ids of `prompt` as a single user turn with the generation prompt appended."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, record: PromptRecord, max_length: int | None = None
+) -> list[int]:
+    """Token ids of `record` as `chat_text` formats it (its last `max_length` where given)."""
+    ids = tokenizer(chat_text(tokenizer, record.prompt, record.history), add_special_tokens=False)["input_ids"]
     return ids[-max_length:] if max_length else ids
 
 
@@ -87,9 +86,25 @@ def unseen_prompts(
     for record in prompts:
         if len(out) >= limit:
             break
-        if record.id in ids or tuple(chat_prompt_ids(tokenizer, record.prompt, max_prompt_tokens)) in token_rows:
+        if record.id in ids or tuple(chat_prompt_ids(tokenizer, record, max_prompt_tokens)) in token_rows:
             continue
         out.append(record)
+    return out
+
+
+@torch.inference_mode()
+def target_answers(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[PromptRecord], max_new_tokens: int
+) -> list[tuple[PromptRecord, str]]:
+    """Each prompt with the target's greedy answer to it (at most `max_new_tokens`, special tokens dropped): the
+    first exchanges of multi-turn prompts (`data.follow_up_prompts`)."""
+    out = []
+    for record in tqdm(prompts, desc="target answers", unit="prompt"):
+        input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
+        ids = target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        out.append((record, tokenizer.decode(ids[0, input_ids.shape[1] :], skip_special_tokens=True).strip()))
     return out
 
 
@@ -205,7 +220,7 @@ def generate_responses(
     data_dir.mkdir(parents=True, exist_ok=True)
     out_path = data_dir / RESPONSES_FILE
     done = {json.loads(line)["id"] for line in out_path.open()} if out_path.exists() else set()
-    todo = [(p.id, chat_prompt_ids(tokenizer, p.prompt, max_prompt_tokens)) for p in prompts if p.id not in done]
+    todo = [(p.id, chat_prompt_ids(tokenizer, p, max_prompt_tokens)) for p in prompts if p.id not in done]
     todo.sort(key=lambda item: len(item[1]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(generation_eos_ids(target))

@@ -165,7 +165,7 @@ def oracle_record(
     forward, then a drafter replay per candidate block size: every draft verified, or with `adaptive` cut
     each round by `AdaptiveVerify(b, acceptance, cost)` (labels of the composed system). The replays'
     rounds are recorded as calibration rows; with `cost`, each candidate's modeled decoding time too."""
-    input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+    input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
     prompt_len = input_ids.shape[1]
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     if temperature > 0:
@@ -323,7 +323,7 @@ def check_replay_against_decoding(
     eos_ids = generation_eos_ids(target)
     equal, total, decode_seconds, replay_seconds = 0, 0, 0.0, 0.0
     for record in prompts:
-        input_ids = chat_inputs(tokenizer, record.prompt, target.device)
+        input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
         start = time.perf_counter()
         oracle_record(target, tokenizer, drafter, record, candidates, [0], max_new_tokens)
         replay_seconds += time.perf_counter() - start
