@@ -149,6 +149,10 @@ def margin_for(tau_error: float | None) -> float:
     return max(MIN_PREDICTED_GAIN, float(tau_error or 0.0))
 
 
+#: How a τ policy's head outputs become τ(b): `"per_width"`, one output per candidate (made consistent afterwards,
+#: `consistent_tau`); `"per_slot"`, one conditional acceptance per draft slot 1..max(b)-1, whose running products
+#: sum to τ(b) (consistent and monotone in b by construction; every width's label trains the shared slots).
+TAU_HEADS = ("per_width", "per_slot")
 LABEL_CONTROLLERS = ("fixed", "adaptive")  # what verified the rounds of a policy's labels (`collect [--adaptive]`)
 DTYPES = ("float32", "bfloat16", "float16")
 #: Config keys of checkpoints written when one class served both architectures; ignored where a class has no use.
@@ -168,8 +172,9 @@ class BlockPilotPolicy(
     Fields every architecture shares: `candidates` (block sizes), `target_vocab_size`, `objective` (see
     `OBJECTIVES`), the identity of the target and drafter it was trained for (so attaching it elsewhere fails or
     warns clearly), `training_loss` and `report` (shown on the card), `prompt_lookup` and `label_controller` (how
-    its labels were decoded), the per-round controller's `acceptance_model` and `cost_model` (dicts), and the
-    parameters' `dtype`; `architecture`, if given, must be the class's own (so a saved config round-trips).
+    its labels were decoded), the per-round controller's `acceptance_model` and `cost_model` (dicts), the
+    parameters' `dtype` and a τ policy's `tau_head` (see `TAU_HEADS`); `architecture`, if given, must be the
+    class's own (so a saved config round-trips).
     """
 
     architecture: ClassVar[str] = ""
@@ -189,6 +194,7 @@ class BlockPilotPolicy(
         cost_model: dict | None = None,
         dtype: str = "float32",
         label_controller: str = "fixed",
+        tau_head: str = "per_width",
         architecture: str | None = None,
     ):
         if not type(self).architecture:
@@ -211,6 +217,10 @@ class BlockPilotPolicy(
             raise ValueError(f"candidates must be block sizes >= 1 (1 = speculation off), got {candidates}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if tau_head not in TAU_HEADS:
+            raise ValueError(f"tau_head must be one of {TAU_HEADS}, got {tau_head!r}")
+        if tau_head == "per_slot" and objective != "tau":
+            raise ValueError(f"a per-slot head predicts acceptance: it needs objective 'tau', not {objective!r}")
         if label_controller not in LABEL_CONTROLLERS:
             raise ValueError(f"label_controller must be one of {LABEL_CONTROLLERS}, got {label_controller!r}")
         self.candidates = list(candidates)
@@ -223,6 +233,9 @@ class BlockPilotPolicy(
         self.prompt_lookup = prompt_lookup  # labels collected with the drafter's prompt lookup on
         # how its labels' rounds were verified: "fixed" (every draft) or "adaptive" (cut by AdaptiveVerify)
         self.label_controller = label_controller
+        self.tau_head = tau_head
+        # the head's width: one output per draft slot, or one per candidate (τ or class logits)
+        self.num_outputs = max(candidates) - 1 if tau_head == "per_slot" else len(candidates)
         self.report = report  # held-out metrics (from training), kept in config.json and shown on the card
         # what an AdaptiveVerify under this policy cuts each round with, unless given its own
         self.acceptance_model = AcceptanceModel.from_dict(acceptance_model) if acceptance_model else None
@@ -244,6 +257,7 @@ class BlockPilotPolicy(
             cost_model=cost_model,
             dtype=dtype,
             label_controller=label_controller,
+            tau_head=tau_head,
             architecture=self.architecture,
         )
 
@@ -299,10 +313,15 @@ class BlockPilotPolicy(
         raise NotImplementedError
 
     def predicted_tau(self, outputs: torch.Tensor) -> torch.Tensor:
-        """(..., k) τ(b) per candidate from a τ head's outputs: 1 + (b - 1) σ(output), so 1 <= τ(b) <= b (a round
-        of b slots commits at most b - 1 drafts and a bonus; b = 1 is exactly one token)."""
-        widths = torch.tensor(self.candidates, dtype=torch.float32, device=outputs.device)
-        return 1.0 + (widths - 1.0) * torch.sigmoid(outputs.float())
+        """(..., k) τ(b) per candidate from a τ head's outputs, 1 <= τ(b) <= b (a round of b slots commits at most
+        b - 1 drafts and a bonus; b = 1 is exactly one token). Per width: 1 + (b - 1) σ(output). Per slot: σ(output
+        j) is the chance slot j is accepted after slots 1..j-1 were, and τ(b) = 1 + Σ_{j<b} Π_{i<=j} σ(output i)."""
+        widths = torch.tensor(self.candidates, device=outputs.device)
+        if self.tau_head == "per_width":
+            return 1.0 + (widths - 1.0) * torch.sigmoid(outputs.float())
+        reached = torch.sigmoid(outputs.float()).cumprod(dim=-1)  # P(slots 1..j all accepted)
+        tau = 1.0 + torch.cat([torch.zeros_like(reached[..., :1]), reached], dim=-1).cumsum(dim=-1)
+        return tau[..., widths - 1]
 
     def consistent_tau(self, tau: torch.Tensor) -> torch.Tensor:
         """(..., k) predicted τ(b) made consistent with how rounds commit: each extra slot adds the chance that
@@ -495,7 +514,8 @@ class BlockPilotPolicy(
 
 class PrefillMLPPolicy(BlockPilotPolicy):
     """Ours: an MLP over `prefill_features` of `feature_layers` (a LayerNorm over the hidden-state features, a
-    `width`-wide GELU layer) plus a linear path from the scalar features; one output per candidate."""
+    `width`-wide GELU layer) plus a linear path from the scalar features; one output per candidate or draft slot
+    (`tau_head`)."""
 
     architecture = "prefill-mlp"
 
@@ -520,10 +540,10 @@ class PrefillMLPPolicy(BlockPilotPolicy):
         # vanish next to the hidden states' outlier dimensions; they join the network as they are.
         self.input_norm = nn.LayerNorm(feature_dim - NUM_SCALAR_FEATURES)
         self.net = nn.Sequential(
-            nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, len(candidates))
+            nn.Linear(feature_dim, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, self.num_outputs)
         )
         # a linear path from the scalars to the choice: the temperature's effect is easy to learn from few prompts
-        self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, len(candidates))
+        self.scalar_head = nn.Linear(NUM_SCALAR_FEATURES, self.num_outputs)
         self.to(self.parameter_dtype)  # before loading, so a bf16 checkpoint stays bf16 in memory
 
     def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
@@ -563,7 +583,7 @@ class LastLogitsMLPPolicy(BlockPilotPolicy):
         """`common`: the fields every policy has (see `BlockPilotPolicy`)."""
         super().__init__(candidates, target_vocab_size, **common)
         self.feature_layers: list[int] = []  # no layer's states: only the final one, for the logits
-        self.logits_mlp = LastLogitsMLP(target_vocab_size, width, depth, len(candidates), dropout)
+        self.logits_mlp = LastLogitsMLP(target_vocab_size, width, depth, self.num_outputs, dropout)
         self.to(self.parameter_dtype)
 
     def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:

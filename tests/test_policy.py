@@ -551,3 +551,42 @@ def test_predicted_tau_is_made_consistent_across_widths(target):
     assert (fixed <= torch.maximum(raw, fixed.cummax(dim=-1).values) + 1e-6).all()
     assert fixed[0].tolist() == pytest.approx([1.0, 1.37, 1.74, 2.11, 2.11, 2.11])  # τ(2) bounds the rest
     assert fixed[1].tolist() == pytest.approx([1.0, 1.9, 2.2, 2.3, 2.5, 2.7])  # τ(6) capped by τ(4)'s gain
+
+
+def test_a_per_slot_head_sums_running_products_of_slot_acceptances(tmp_path, target):
+    """τ(b) = 1 + Σ_{j<b} Π_{i<=j} α_i from one acceptance per draft slot: consistent across widths as it stands,
+    and kept through save / load."""
+    torch.manual_seed(0)
+    policy = PrefillMLPPolicy(
+        candidates=[1, 2, 3, 6],
+        feature_layers=[1, 3],
+        target_hidden_size=HIDDEN,
+        target_vocab_size=VOCAB,
+        target_num_layers=LAYERS,
+        width=16,
+        objective="tau",
+        tau_head="per_slot",
+    ).eval()
+    assert policy.num_outputs == 5 and policy.net[-1].out_features == 5
+    alpha = torch.tensor([[0.9, 0.5, 0.8, 0.1, 0.5]])
+    tau = policy.predicted_tau(torch.logit(alpha))
+    expected = [1.0, 1.9, 1.9 + 0.45, 1.9 + 0.45 + 0.36 + 0.036 + 0.018]
+    assert tau[0].tolist() == pytest.approx(expected)
+    outputs = torch.randn(64, 5) * 3
+    tau = policy.predicted_tau(outputs)
+    torch.testing.assert_close(policy.consistent_tau(tau), tau)
+    policy.save_pretrained(tmp_path / "p")
+    loaded = BlockPilotPolicy.from_pretrained(tmp_path / "p")
+    assert loaded.tau_head == "per_slot"
+    features = torch.randn(2, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES)
+    torch.testing.assert_close(loaded.predicted_tau(loaded(features)), policy.predicted_tau(policy(features)))
+    with pytest.raises(ValueError, match="needs objective 'tau'"):
+        PrefillMLPPolicy(
+            candidates=[1, 2], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
+            target_num_layers=LAYERS, objective="throughput", tau_head="per_slot",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="tau_head must be one of"):
+        PrefillMLPPolicy(
+            candidates=[1, 2], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
+            target_num_layers=LAYERS, objective="tau", tau_head="per_token",
+        )  # fmt: skip

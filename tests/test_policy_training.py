@@ -23,14 +23,16 @@ CANDIDATES = [1, 4, 8]
 
 
 def _records(n: int, seed: int = 0) -> list[OracleRecord]:
-    """Synthetic prompts: a direction in feature space decides whether long blocks pay (τ grows with b) or not."""
+    """Synthetic prompts: a direction in feature space decides whether long blocks pay (τ grows with b) or not
+    (τ(8) about τ(4))."""
     g = torch.Generator().manual_seed(seed)
     dim = 2 * 1 * HIDDEN + NUM_SCALAR_FEATURES
     rows = []
     for i in range(n):
         x = torch.randn(dim, generator=g)
         easy = bool(x[:32].sum() > 0)
-        tau = {1: 1.0, 4: 3.2 if easy else 1.3, 8: 6.0 if easy else 1.2}
+        accept = 0.85 if easy else 0.25  # per slot: τ(b) = 1 + α + ... + α^(b-1)
+        tau = {b: (1 - accept**b) / (1 - accept) for b in CANDIDATES}
         rows.append(OracleRecord(f"p{i}", "synthetic", 10, 50, tau, {b: 50 for b in CANDIDATES}, x.tolist()))
     return rows
 
@@ -121,18 +123,21 @@ def test_policy_learns_a_temperature_dependent_choice():
     assert report.policy_value > report.best_fixed_value  # no single b serves both temperatures
 
 
-def test_a_tau_policy_learns_acceptance_and_prices_it_with_whichever_costs_it_is_given():
+@pytest.mark.parametrize("tau_head", ["per_width", "per_slot"])
+def test_a_tau_policy_learns_acceptance_and_prices_it_with_whichever_costs_it_is_given(tau_head):
     """Labels are τ(b) only (no machine in them). The trained policy predicts τ per prompt; priced with a steep
     cost model hard prompts decode plain, with a flat one (a wide verify about a plain step) they draft b = 4:
-    one checkpoint, each machine's best width (its per-prompt oracle) for most prompts."""
+    one checkpoint, each machine's best width (its per-prompt oracle) for most prompts. Either head."""
     target = make_target("qwen3", vocab_size=48, hidden_size=HIDDEN, layers=LAYERS)
     config = PolicyTrainingConfig(epochs=400, patience=100, learning_rate=1e-2, dropout=0.0, width=16)
-    assert config.objective == "tau"  # the default
+    assert config.objective == "tau" and config.tau_head == "per_width"  # the defaults
+    config = replace(config, tau_head=tau_head)
     steep = CostModel(target_ms={1: 50.0, 4: 100.0, 8: 120.0}, drafter_ms={4: 10.0, 8: 20.0})
     flat = CostModel(target_ms={1: 50.0, 4: 50.0, 8: 60.0}, drafter_ms={4: 2.0, 8: 2.0})
     records = _records(800)
     policy, report = train_policy(records, CANDIDATES, [1], target, make_drafter(target), config, steep)
     assert policy.objective == "tau" and policy.weighs_costs and policy.training_loss == "tau-log-mse"
+    assert policy.tau_head == tau_head
     tau = torch.tensor([[r.tau[b] for b in CANDIDATES[1:]] for r in records])
     constant_error = float(((tau.mean(0) - tau).abs() / tau).mean())  # predicting the mean τ(b) for every prompt
     assert report.tau_error < 0.6 * constant_error, (report, constant_error)

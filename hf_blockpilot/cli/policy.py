@@ -103,7 +103,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     from ..training.policy_training import PolicyTrainingConfig, read_label_manifest, train_policy_from_labels
 
     read_label_manifest(args.labels, args.candidates)  # bad input fails before any model is loaded
-    config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed)
+    config = PolicyTrainingConfig(loss=args.loss, objective=args.objective, seed=args.seed, tau_head=args.tau_head)
     target, _, drafter = load_models(args)
     cost = load_cost_model(args.cost_model) if args.cost_model else None
     acceptance = load_acceptance_model(args.acceptance_model) if args.acceptance_model else None
@@ -225,6 +225,7 @@ def cmd_import_policy(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this module's subcommands (training defaults come from `PolicyTrainingConfig`)."""
+    from ..policy import TAU_HEADS
     from ..training.policy_training import PolicyTrainingConfig
 
     training = PolicyTrainingConfig()
@@ -313,6 +314,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--loss", choices=["regret", "ce"], default=None, help="the classifying objectives' loss (default regret)"
+    )
+    p.add_argument(
+        "--tau-head",
+        choices=TAU_HEADS,
+        default=training.tau_head,
+        help="tau objective: one output per candidate width (per_width), or one acceptance per draft slot whose "
+        "running products sum to τ(b) (per_slot: consistent across widths by construction)",
     )
     p.add_argument(
         "--cost-model",

@@ -60,6 +60,8 @@ class PolicyTrainingConfig:
     seed: int = 0
     width: int = 64
     dropout: float = 0.1
+    #: how the τ objective's head predicts τ(b) (`policy.TAU_HEADS`): one output per candidate or per draft slot
+    tau_head: str = "per_width"
 
 
 @dataclass
@@ -186,6 +188,7 @@ def train_policy(
         training_loss=loss_name,
         prompt_lookup=prompt_lookup,
         label_controller=label_controllers.pop() if label_controllers else "fixed",
+        tau_head=config.tau_head,
     )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     # per-prompt regret of each candidate, relative to the prompt's best (scale-free across prompts)
