@@ -8,6 +8,8 @@ each round timed by the table. Prefill counted as one plain step on both sides. 
 bfloat16 table prices the same rounds.
 
     .venv/bin/python scripts/width_choice_bench.py --responses-dir runs/heldout-responses --out runs/width-choice
+    # candidate policies beside the embedded one ("default"), each served as the default serves it
+    .venv/bin/python scripts/width_choice_bench.py --policies default new=runs/policy-new
 
 Writes results.json and results.md to --out (the replay is cached there as acceptance.json: reruns take
 seconds). Offline; on the 2-core EPYC the replay of 244 prompts x 7 widths takes about 15 minutes.
@@ -61,9 +63,10 @@ def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
     return done
 
 
-def prefills(args, target, policy) -> dict:
-    """{prompt id: the prefill outputs the policy reads} (other hidden states dropped)."""
-    keep = policy_state_indices(policy)
+def prefills(args, target, policies) -> dict:
+    """{prompt id: the prefill outputs the policies read} (other hidden states dropped)."""
+    reads = [policy_state_indices(policy) for policy in policies]
+    keep = None if None in reads else sorted({i for r in reads for i in r})
     out = {}
     for dataset in args.datasets:
         data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
@@ -106,23 +109,33 @@ def main() -> None:
     parser.add_argument("--responses-dir", type=Path, default=Path("runs/heldout-responses"))
     parser.add_argument("--out", type=Path, default=Path("runs/width-choice"))
     parser.add_argument("--tables", nargs="+", default=["../shared/calibrations/*.json", "docs/calibrations/*.json"])
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["default"],
+        help="NAME=DIRECTORY (or 'default', the embedded policy): each served as the default serves it",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_default_target(dtype=torch.float32)
     drafter = resolve_drafter(None)
-    policy = resolve_policy("default")
-    widths = [b for b in policy.candidates if b > 1]
+    policies = {spec.split("=")[0]: resolve_policy(spec.split("=")[-1]) for spec in args.policies}
+    widths = sorted({b for policy in policies.values() for b in policy.candidates if b > 1})
     acceptance = replay(args, target, tokenizer, drafter, widths)
-    states = prefills(args, target, policy)
+    states = prefills(args, target, list(policies.values()))
     lm_head = target.get_output_embeddings()
     tables = {Path(p).stem: CostModel.load(p) for pattern in args.tables for p in sorted(glob.glob(pattern))}
-    methods = {
-        "default": SpeculationGuard(PolicyBlockSize(policy), timing="modeled"),
-        "default, uncorrected": SpeculationGuard(PolicyBlockSize(policy, correct_width=False), timing="modeled"),
-        "policy": PolicyBlockSize(policy),
-        "policy, uncorrected": PolicyBlockSize(policy, correct_width=False),
-        **{f"b={b}": DraftController(b) for b in widths},
-    }
+    methods = {f"b={b}": DraftController(b) for b in widths}
+    for name, policy in policies.items():
+        suffix = "" if name == "default" else f" [{name}]"
+        methods |= {
+            f"default{suffix}": SpeculationGuard(PolicyBlockSize(policy), timing="modeled"),
+            f"default, uncorrected{suffix}": SpeculationGuard(
+                PolicyBlockSize(policy, correct_width=False), timing="modeled"
+            ),
+            f"policy{suffix}": PolicyBlockSize(policy),
+        }
+    served = [name for name in methods if name.startswith("default") and "uncorrected" not in name]
     results = {}
     for table_name, cost in tables.items():
         for dataset in args.datasets:
@@ -142,19 +155,23 @@ def main() -> None:
             results.setdefault(table_name, {})[dataset] = {"prompts": len(rows), "methods": cell}
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     lines = [
-        "| cost table | set | prompts | plain | best fixed | default | default, uncorrected | default / best fixed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cost table | set | prompts | best fixed | "
+        + " | ".join(f"{name} (min) | ÷ best fixed" for name in served)
+        + " |",
+        "|---|---|---|---|" + "---|---|" * len(served),
     ]
     for table_name, per_set in results.items():
         for dataset, cell in per_set.items():
             m = cell["methods"]
             best = m["best fixed"]
             lines.append(
-                f"| {table_name} | {dataset} | {cell['prompts']} | 1.00x "
-                f"| {best['name']} {best['pooled_speedup']:.2f}x "
-                f"| {m['default']['pooled_speedup']:.2f}x (min {m['default']['min_speedup']:.2f}x) "
-                f"| {m['default, uncorrected']['pooled_speedup']:.2f}x "
-                f"| {m['default']['pooled_speedup'] / best['pooled_speedup']:.3f} |"
+                f"| {table_name} | {dataset} | {cell['prompts']} | {best['name']} {best['pooled_speedup']:.2f}x | "
+                + " | ".join(
+                    f"{m[name]['pooled_speedup']:.2f}x ({m[name]['min_speedup']:.2f}x) "
+                    f"| {m[name]['pooled_speedup'] / best['pooled_speedup']:.3f}"
+                    for name in served
+                )
+                + " |"
             )
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -34,7 +34,7 @@ def target():
     return make_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=0)
 
 
-def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0, prompt_lookup=False) -> BlockPilotPolicy:
+def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0, prompt_lookup=False, **fields) -> BlockPilotPolicy:
     torch.manual_seed(seed)
     return PrefillMLPPolicy(
         candidates=list(candidates),
@@ -47,6 +47,7 @@ def make_policy(target, drafter=None, candidates=(1, 3, 6), seed=0, prompt_looku
         drafter_name="tiny-drafter",
         drafter_fingerprint=drafter_fingerprint(drafter) if drafter is not None else "",
         prompt_lookup=prompt_lookup,
+        **fields,
     ).eval()
 
 
@@ -556,17 +557,7 @@ def test_predicted_tau_is_made_consistent_across_widths(target):
 def test_a_per_slot_head_sums_running_products_of_slot_acceptances(tmp_path, target):
     """τ(b) = 1 + Σ_{j<b} Π_{i<=j} α_i from one acceptance per draft slot: consistent across widths as it stands,
     and kept through save / load."""
-    torch.manual_seed(0)
-    policy = PrefillMLPPolicy(
-        candidates=[1, 2, 3, 6],
-        feature_layers=[1, 3],
-        target_hidden_size=HIDDEN,
-        target_vocab_size=VOCAB,
-        target_num_layers=LAYERS,
-        width=16,
-        objective="tau",
-        tau_head="per_slot",
-    ).eval()
+    policy = make_policy(target, candidates=[1, 2, 3, 6], objective="tau", tau_head="per_slot")
     assert policy.num_outputs == 5 and policy.net[-1].out_features == 5
     alpha = torch.tensor([[0.9, 0.5, 0.8, 0.1, 0.5]])
     tau = policy.predicted_tau(torch.logit(alpha))
@@ -581,12 +572,6 @@ def test_a_per_slot_head_sums_running_products_of_slot_acceptances(tmp_path, tar
     features = torch.randn(2, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES)
     torch.testing.assert_close(loaded.predicted_tau(loaded(features)), policy.predicted_tau(policy(features)))
     with pytest.raises(ValueError, match="needs objective 'tau'"):
-        PrefillMLPPolicy(
-            candidates=[1, 2], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
-            target_num_layers=LAYERS, objective="throughput", tau_head="per_slot",
-        )  # fmt: skip
+        make_policy(target, objective="throughput", tau_head="per_slot")
     with pytest.raises(ValueError, match="tau_head must be one of"):
-        PrefillMLPPolicy(
-            candidates=[1, 2], feature_layers=[1], target_hidden_size=HIDDEN, target_vocab_size=VOCAB,
-            target_num_layers=LAYERS, objective="tau", tau_head="per_token",
-        )  # fmt: skip
+        make_policy(target, objective="tau", tau_head="per_token")
