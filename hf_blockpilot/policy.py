@@ -303,6 +303,7 @@ class BlockPilotPolicy(
             training_loss=self.training_loss,
             prompt_lookup=self.prompt_lookup,
             label_controller=self.label_controller,
+            tau_head=self.tau_head,
             serving_controller=self.serving_controller,
             acceptance_model=self.acceptance_model.to_dict() if self.acceptance_model else None,
             cost_model=self.cost_model,

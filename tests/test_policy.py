@@ -567,6 +567,7 @@ def test_a_per_slot_head_sums_running_products_of_slot_acceptances(tmp_path, tar
     tau = policy.predicted_tau(outputs)
     torch.testing.assert_close(policy.consistent_tau(tau), tau)
     policy.save_pretrained(tmp_path / "p")
+    assert "running products of one acceptance per draft slot" in (tmp_path / "p" / "README.md").read_text()
     loaded = BlockPilotPolicy.from_pretrained(tmp_path / "p")
     assert loaded.tau_head == "per_slot"
     features = torch.randn(2, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES)
