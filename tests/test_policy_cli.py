@@ -375,3 +375,5 @@ def test_collect_short_and_multi_turn_prompts(tmp_path):
     firsts = [chat_training_prompts(1, seed=2)[0], stdlib_training_prompts(1, seed=2)[0]]
     assert [r.id for r in records[2:]] == [f"multiturn/{first.id}" for first in firsts]
     assert all(r.prompt_tokens > len(first.prompt) + 1 for r, first in zip(records[2:], firsts, strict=True))
+    answered = [json.loads(line)["id"] for line in (labels / "first-turns" / "responses.jsonl").open()]
+    assert sorted(answered) == sorted(first.id for first in firsts)  # kept for a rerun

@@ -54,7 +54,10 @@ def cmd_collect(args: argparse.Namespace) -> int:
         elif name == "multiturn":  # a follow-up to the target's own answer of a first chat or code request
             half = args.num_prompts // 2
             firsts = fresh("chat", args.num_prompts - half, args.seed + 1) + fresh("stdlib", half, args.seed + 1)
-            prompts += follow_up_prompts(target_answers(target, tokenizer, firsts, args.max_new_tokens), args.seed)
+            answers = target_answers(
+                target, tokenizer, firsts, args.max_new_tokens, Path(args.output_dir) / "first-turns"
+            )
+            prompts += follow_up_prompts(answers, args.seed)
         else:
             prompts += load_prompts(name, args.num_prompts)
     shard, num_shards = shard_of(args)

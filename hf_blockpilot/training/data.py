@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import runs_bf16_natively
-from ..data import PromptRecord, chat_inputs, chat_text
+from ..data import PromptRecord, chat_text
 from .distributed import barrier, rank_and_world_size
 
 RESPONSES_FILE = "responses.jsonl"
@@ -92,20 +92,19 @@ def unseen_prompts(
     return out
 
 
-@torch.inference_mode()
 def target_answers(
-    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[PromptRecord], max_new_tokens: int
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[PromptRecord],
+    max_new_tokens: int,
+    data_dir: str | Path,
 ) -> list[tuple[PromptRecord, str]]:
     """Each prompt with the target's greedy answer to it (at most `max_new_tokens`, special tokens dropped): the
-    first exchanges of multi-turn prompts (`data.follow_up_prompts`)."""
-    out = []
-    for record in tqdm(prompts, desc="target answers", unit="prompt"):
-        input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
-        ids = target.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-        out.append((record, tokenizer.decode(ids[0, input_ids.shape[1] :], skip_special_tokens=True).strip()))
-    return out
+    first exchanges of multi-turn prompts (`data.follow_up_prompts`). Answered one by one, whole, in the target's
+    own dtype by `generate_responses` into `data_dir` (so a rerun reuses them)."""
+    generate_responses(target, tokenizer, prompts, data_dir, 1, max_new_tokens, max_prompt_tokens=0, dtype=None)
+    answers = {s.id: s.input_ids[s.response_start :] for s in read_sequences(data_dir)}
+    return [(p, tokenizer.decode(answers[p.id], skip_special_tokens=True).strip()) for p in prompts]
 
 
 def read_sequences(data_dir: str | Path) -> list[TrainingSequence]:
