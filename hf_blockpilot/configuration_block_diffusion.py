@@ -19,6 +19,8 @@ DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 DFLASH_MODEL_TYPE = "qwen3"
 #: DFlash 2's convolution and candidate-selector sizes (all four, or none for a v1 drafter).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+#: The sizes of z-lab's published DFlash 2 drafters (e.g. their Qwen3.5 drafter's `dflash_config`).
+DFLASH2_DEFAULT_SIZES = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 #: Fields the reference reads from `dflash_config` first, then from the top level of the config.
 _NESTED_FIELDS = ("mask_token_id", "target_layer_ids", *DFLASH2_FIELDS)
 #: Draft-layer kinds (`layer_types` entries) the drafter implements.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextvars
 import os
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -198,21 +198,28 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # (before, after) x taps
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
 
-    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        # out[t] = sum over taps o of (base[o] + dynamic[t, o] per group) * x[t - o], x before the block = 0
-        per_channel = dynamic.repeat_interleave(self.group_size, dim=-1)  # (batch, n, taps, hidden)
-        out = torch.zeros_like(x)
+    def _convolve(
+        self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int | None
+    ) -> torch.Tensor:
+        # out[t] = sum over taps o of (base[o] + dynamic[t, o] per group) * x[t - o], x before the block = 0;
+        # a query of several blocks (training) is convolved block by block
+        blocks = x if block_size is None else x.unflatten(1, (-1, block_size))
+        per_channel = dynamic.repeat_interleave(self.group_size, dim=-1).view(*blocks.shape[:-1], -1, x.shape[-1])
+        slots = blocks.shape[-2]
+        out = torch.zeros_like(blocks)
         for tap in range(self.kernel_size):
-            shifted = F.pad(x, (0, 0, tap, 0))[:, : x.shape[1]]
-            out = out + (base[tap].to(x.dtype) + per_channel[:, :, tap]) * shifted
-        return out
+            shifted = F.pad(blocks, (0, 0, tap, 0))[..., :slots, :]
+            out = out + (base[tap].to(x.dtype) + per_channel[..., tap, :]) * shifted
+        return out.view_as(x)
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, x: torch.Tensor, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input convolved, and the predicted weights for `finish`; `block_size`: slots per block when `x`
+        holds several blocks back to back (None: one block)."""
         dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
-        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0], block_size), dynamic[..., 1, :, :]
 
-    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        return self._convolve(x, dynamic, self.base_kernel[1])
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1], block_size)
 
 
 class BlockDiffusionDecoderLayer(nn.Module):
@@ -232,20 +239,26 @@ class BlockDiffusionDecoderLayer(nn.Module):
         else:
             self.attention_conv = self.mlp_conv = None
 
-    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, **attn_kwargs) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, context: torch.Tensor, block_size: int | None = None, **attn_kwargs
+    ) -> torch.Tensor:
         hidden_states = hidden_states + self._around(
             self.attention_conv,
             lambda x: self.self_attn(x, context, **attn_kwargs),
             self.input_layernorm(hidden_states),
+            block_size,
         )
-        return hidden_states + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_states))
+        normed = self.post_attention_layernorm(hidden_states)
+        return hidden_states + self._around(self.mlp_conv, self.mlp, normed, block_size)
 
     @staticmethod
-    def _around(conv: GroupedDynamicCausalConv | None, sublayer, x: torch.Tensor) -> torch.Tensor:
+    def _around(
+        conv: GroupedDynamicCausalConv | None, sublayer, x: torch.Tensor, block_size: int | None
+    ) -> torch.Tensor:
         if conv is None:
             return sublayer(x)
-        x, dynamic = conv.prepare(x)
-        return conv.finish(sublayer(x), dynamic)
+        x, dynamic = conv.prepare(x, block_size)
+        return conv.finish(sublayer(x), dynamic, block_size)
 
 
 class CandidateSelector(nn.Module):
@@ -265,15 +278,25 @@ class CandidateSelector(nn.Module):
         """For (1, k, hidden) slot states and their (1, k, V) draft logits: `score(i, previous)`, the (1, V)
         logits of slot i given the token drafted before it (previous: (1,) id), -inf outside its candidates."""
         unary, candidates = logits.topk(self.top_k, dim=-1)
-        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
-        successors = self.successor_codebook(candidates)  # (1, k, top_k, rank)
+        projected = self.project(hidden)
 
         def score(i: int, previous: torch.LongTensor) -> torch.Tensor:
-            pair = self.predecessor_codebook(previous) * projected[:, i]  # (1, rank)
-            scores = unary[:, i] + torch.einsum("br,bkr->bk", pair, successors[:, i]).to(unary.dtype)
+            scores = unary[:, i] + self.pair_scores(projected[:, i], previous, candidates[:, i]).to(unary.dtype)
             return logits.new_full((1, logits.shape[-1]), float("-inf")).scatter(-1, candidates[:, i], scores)
 
         return score
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Slot states (..., hidden) projected to the pair score's rank."""
+        return self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+
+    def pair_scores(
+        self, projected: torch.Tensor, previous: torch.LongTensor, candidates: torch.LongTensor
+    ) -> torch.Tensor:
+        """(..., top_k) pair scores of `candidates` (..., top_k) after the `previous` token (...,), for slots whose
+        projected states are `projected` (..., rank); a candidate's score is its draft logit plus this."""
+        pair = self.predecessor_codebook(previous) * projected
+        return torch.einsum("...r,...kr->...k", pair, self.successor_codebook(candidates))
 
 
 class BlockDiffusionPreTrainedModel(PreTrainedModel):
@@ -513,6 +536,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         context_position_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         cache: DraftContextCache | None = None,
+        block_size: int | None = None,
     ) -> BaseModelOutput:
         """Run the drafter over one or more blocks.
 
@@ -526,6 +550,8 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
                 layer as it is (as the reference does). `None`: one block, each layer attending as the config
                 says (all of the context and the block, unless causal or within a sliding window).
             cache: context K/V of earlier tokens, extended in place.
+            block_size: slots per block where the query holds several blocks back to back (training), so that
+                DFlash 2's convolutions stay within each block; `None`: the query is one block.
 
         Returns:
             `BaseModelOutput` whose `last_hidden_state` is the normed output at every block slot.
@@ -542,6 +568,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
                 context_rotary=context_rotary,
                 attention_mask=attention_mask,
                 cache=cache,
+                block_size=block_size,
             )
         return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
 
@@ -614,6 +641,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         num_context_layers: int = 5,
         mask_token_id: int | None = None,
         draft_vocab: list[int] | torch.Tensor | None = None,
+        dflash2: Mapping[str, int] | None = None,
     ) -> BlockDiffusionDrafter:
         """A freshly initialised drafter sized for a Llama/Qwen-style causal LM `target`.
 
@@ -625,6 +653,8 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
                 ids over the target like DFlash does.
             mask_token_id: id filling the draft slots; default: the last row of the target's embedding table.
             draft_vocab: target ids the drafter may propose (a reduced draft vocabulary); default: all.
+            dflash2: a DFlash 2 drafter with these sizes (`DFLASH2_FIELDS`; e.g. `DFLASH2_DEFAULT_SIZES`, its
+                convolutions starting as the identity); default: DFlash (v1). Needs the full vocabulary.
         """
         text_config = target.config.get_text_config()
         num_target_layers = text_config.num_hidden_layers
@@ -654,7 +684,11 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
             sliding_window=None,
             block_size=block_size,
             num_target_layers=num_target_layers,
-            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+            dflash_config={
+                "mask_token_id": int(mask_token_id),
+                "target_layer_ids": list(target_layer_ids),
+                **(dflash2 or {}),
+            },
             draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
             dtype=target.dtype,
         )

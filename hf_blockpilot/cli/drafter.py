@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..configuration_block_diffusion import DFLASH2_DEFAULT_SIZES
 from ._common import (
     SortedDistinct,
     add_lookup_arg,
@@ -83,7 +84,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id,
-        draft_vocab_size=args.draft_vocab_size or None,
+        draft_vocab_size=_draft_vocab_size(args),
         generation_batch_size=args.generation_batch_size,
         max_new_tokens=args.max_new_tokens,
         config=config,
@@ -91,10 +92,18 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         cache_hidden_states_on_disk=not args.no_hidden_cache,
         init_drafter=args.init_drafter,
         generation_minutes=args.generation_minutes,
+        dflash2=DFLASH2_DEFAULT_SIZES if args.dflash2 else None,
     )
     if args.save_to and rank_and_world_size()[0] == 0:
         drafter.save_pretrained(args.save_to)
     return 0
+
+
+def _draft_vocab_size(args: argparse.Namespace) -> int | None:
+    """`--draft-vocab-size`: 8192 ids by default (the full vocabulary for a DFlash 2 drafter); 0: full."""
+    if args.draft_vocab_size is None:
+        return None if args.dflash2 else 8192
+    return args.draft_vocab_size or None
 
 
 def cmd_eval_drafter(args: argparse.Namespace) -> int:
@@ -196,7 +205,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mask-token-id", type=int, default=None, help="id for draft slots (default: last embedding row)")
     p.add_argument("--warmup-steps", type=int, default=config.warmup_steps)
     p.add_argument("--block-size", type=positive_int, default=config.block_size)
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: full vocabulary")
+    p.add_argument(
+        "--draft-vocab-size", type=int, default=None, help="0: full vocabulary (default 8192; full with --dflash2)"
+    )
+    p.add_argument(
+        "--dflash2",
+        action="store_true",
+        help="train a DFlash 2 drafter (convolutions around attention and MLP, a candidate selector; z-lab's "
+        f"published sizes {DFLASH2_DEFAULT_SIZES}) instead of DFlash (v1)",
+    )
     p.add_argument(
         "--refresh-draft-vocab",
         action="store_true",

@@ -16,7 +16,7 @@ import shutil
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -175,11 +175,6 @@ class DrafterTrainer:
         output_dir: str | Path,
         config: DrafterTrainingConfig,
     ):
-        if drafter.config.is_dflash2:
-            raise ValueError(
-                "training DFlash 2 drafters (convolutions and a candidate selector) is not implemented: train a DFlash "
-                "(v1) drafter, or fine-tune a DFlash 2 one with the authors' recipe"
-            )
         if drafter.config.has_masked_layers():
             raise ValueError(
                 "training drafters with causal or sliding-window layers (layer_types / is_causal) is not implemented: "
@@ -332,6 +327,7 @@ class DrafterTrainer:
         draft_labels = torch.where(valid, self.target_to_draft[labels.clamp(min=0)], -100)
         mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
+        draft_labels = draft_labels.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = (self.model if torch.is_grad_enabled() else self.drafter)(  # DDP syncs only where it trains
                 block_embeds=self.drafter.embed_block(self.embed, block_ids).to(device).detach(),
@@ -339,19 +335,39 @@ class DrafterTrainer:
                 target_hidden=hidden.to(device),
                 context_position_ids=torch.arange(width, device=device).expand(len(batch), -1),
                 attention_mask=mask.to(device),
+                block_size=b,
             ).last_hidden_state
             slots = out.view(len(batch), n, b, -1)[:, :, 1:]
             logits = F.linear(slots, self.head_weight.to(slots.dtype), self.head_bias)
         logits = self.drafter.finish_logits(logits.float())
-        ce = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), draft_labels.reshape(-1).to(device), reduction="none"
-        )
+        ce = F.cross_entropy(logits.flatten(0, -2), draft_labels.flatten(), reduction="none").view_as(draft_labels)
+        drafted = logits.argmax(-1)
+        if self.drafter.candidate_selector is not None:
+            previous = ids[rows[:, :, None], (label_pos - 1).clamp(min=0)].to(device)  # slot 1's: the anchor
+            selector_ce, drafted = self.selector_loss(slots, logits, previous, draft_labels)
+            ce = ce + selector_ce
         weights = self.weights.to(device) * valid.to(device)
-        loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
-        correct = (logits.argmax(-1).cpu() == draft_labels) & valid
+        loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+        correct = (drafted.cpu() == draft_labels.cpu()) & valid
         keep = block_valid.reshape(-1)
         counts = {"correct": correct.reshape(-1, b - 1)[keep], "valid": valid.reshape(-1, b - 1)[keep]}
         return loss, {**counts, "weight": weights.sum()}
+
+    def selector_loss(
+        self, slots: torch.Tensor, logits: torch.Tensor, previous: torch.LongTensor, labels: torch.LongTensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash 2's candidate-selector loss, teacher-forced: each slot scores its top-k draft candidates after the
+        true previous token (`previous`: the anchor for slot 1), as greedy drafting does while its drafts are
+        right, and the cross-entropy over those scores targets the label (0 where the label is not a candidate:
+        the token loss teaches the drafter to rank it there). Returns that per-slot loss and the token each slot
+        drafts (the best-scored candidate)."""
+        selector = self.drafter.candidate_selector
+        unary, candidates = logits.topk(selector.top_k, dim=-1)
+        scores = unary + selector.pair_scores(selector.project(slots), previous, candidates).float()
+        hit = candidates == labels[..., None]
+        target = torch.where(hit.any(-1), hit.int().argmax(-1), -100)
+        loss = F.cross_entropy(scores.flatten(0, -2), target.flatten(), reduction="none").view_as(labels)
+        return loss, candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
 
     def train(self, on_save: Callable[[DrafterTrainer], None] | None = None) -> dict:
         """Run until `max_steps` (or `max_minutes`), checkpointing every `save_every` steps (and every
@@ -634,6 +650,7 @@ def train_drafter(
     cache_hidden_states_on_disk: bool = True,
     init_drafter: str | Path | None = None,
     generation_minutes: float | None = None,
+    dflash2: Mapping[str, int] | None = None,
 ) -> BlockDiffusionDrafter:
     """The whole recipe, each stage resumable: target responses -> hidden-state cache -> training.
 
@@ -647,7 +664,14 @@ def train_drafter(
     target (fine-tuning, e.g. on one domain's responses; fresh optimizer and schedule; its architecture and
     vocabulary are kept, the architecture arguments are ignored).
     `generation_minutes` caps the time spent answering new prompts (training then uses what was answered).
+    `dflash2` (sizes, e.g. `DFLASH2_DEFAULT_SIZES`) makes a new drafter a DFlash 2 one (convolutions and a
+    candidate selector over the full vocabulary: `draft_vocab_size` must be None).
     """
+    if dflash2 is not None and draft_vocab_size:
+        raise ValueError(
+            "a DFlash 2 drafter selects among the full vocabulary's top candidates: pass draft_vocab_size=None "
+            "(--draft-vocab-size 0) with dflash2"
+        )
     from .data import (
         cache_hidden_states,
         generate_responses,
@@ -691,6 +715,7 @@ def train_drafter(
             target_layer_ids=target_layer_ids,
             mask_token_id=mask_token_id,
             draft_vocab=vocab,
+            dflash2=dflash2,
         )
         init_drafter_from_target(drafter, target)
     hidden_dir = None
