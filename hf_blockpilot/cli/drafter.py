@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -48,20 +49,25 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from ..training.distributed import init_from_torchrun, rank_and_world_size
     from ..training.drafter import DrafterTrainingConfig, train_drafter
 
+    if args.self_distill and not args.conversations:
+        raise SystemExit("--self-distill answers the turns of --conversations files: give them too")
     init_from_torchrun()  # under torchrun: one rank of several (DDP), else a single process
     target, tokenizer = resolve_target(args.target, dtype="float32", device=args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = stdlib_training_prompts(args.num_prompts, seed=args.seed) + chat_training_prompts(
-        args.chat_prompts, seed=args.seed
-    )
-    for path in args.prompts_file or []:
-        prompts += read_prompt_file(path)
-    if args.conversations and rank_and_world_size()[0] == 0:  # the others wait for the data in train_drafter
-        from ..training.data import read_conversations, write_conversations
+    from ..training.data import conversation_prompts, read_conversations, write_conversations
 
-        conversations = [seq for path in args.conversations for seq in read_conversations(path, tokenizer)]
-        write_conversations(conversations, Path(args.output_dir) / "data")
+    sources = [
+        stdlib_training_prompts(args.num_prompts, seed=args.seed),
+        chat_training_prompts(args.chat_prompts, seed=args.seed),
+        *(read_prompt_file(path) for path in args.prompts_file or []),
+    ]
+    if args.self_distill:  # the target answers every user turn of the conversations, read as they are answered
+        sources += [conversation_prompts(path) for path in args.conversations]
+    elif args.conversations and rank_and_world_size()[0] == 0:  # the others wait for the data in train_drafter
+        sequences = chain.from_iterable(read_conversations(path, tokenizer) for path in args.conversations)
+        write_conversations(sequences, Path(args.output_dir) / "data")
+    sources = [source for source in sources if not isinstance(source, list) or source]
     config = DrafterTrainingConfig(
         block_size=args.block_size,
         max_steps=args.max_steps,
@@ -80,7 +86,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         target,
         tokenizer,
         args.output_dir,
-        prompts or None,
+        chain.from_iterable(sources) if sources else None,
         num_layers=args.num_layers,
         target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id,
@@ -187,6 +193,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="ShareGPT / SpecForge-style JSONL files ({id, conversations: [{role, content}]}), trained on as they "
         "are: the loss falls on the assistant turns only (with --num-prompts 0 --chat-prompts 0: on them alone)",
+    )
+    p.add_argument(
+        "--self-distill",
+        action="store_true",
+        help="with --conversations: the target answers each user turn after the conversation's earlier turns "
+        "instead (resumable; under torchrun every rank answers its share), and trains on its own answers",
     )
     p.add_argument(
         "--generation-batch-size", type=positive_int, default=64, help="prompts answered per target generate call"

@@ -8,17 +8,20 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 
-def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str, history: Sequence[tuple[str, str]] = ()) -> str:
-    """The prompt as text, after the earlier `(user, assistant)` exchanges of `history`, with the tokenizer's chat
-    template applied when it has one (else the turns joined by blank lines)."""
+def chat_text(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, history: Sequence[tuple[str, str]] = (), system: str = ""
+) -> str:
+    """The prompt as text, after the `system` message (if any) and the earlier `(user, assistant)` exchanges of
+    `history`, with the tokenizer's chat template applied when it has one (else the turns joined by blank lines)."""
     if tokenizer.chat_template:
-        messages = [
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += [
             {"role": role, "content": text} for turn in history for role, text in zip(("user", "assistant"), turn)
         ]
         return tokenizer.apply_chat_template(
             [*messages, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    return "\n\n".join([*(text for turn in history for text in turn), prompt])
+    return "\n\n".join([*([system] if system else []), *(text for turn in history for text in turn), prompt])
 
 
 def chat_inputs(

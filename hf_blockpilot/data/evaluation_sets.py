@@ -35,12 +35,14 @@ EVAL_DATASETS: tuple[str, ...] = ("humaneval", "mtbench", "gsm8k")
 @dataclass
 class PromptRecord:
     """One prompt: ``id`` (stable within its dataset), ``dataset`` name and the user-turn ``prompt`` text; in a
-    multi-turn conversation, ``history`` holds the earlier ``(user, assistant)`` exchanges, oldest first."""
+    multi-turn conversation, ``history`` holds the earlier ``(user, assistant)`` exchanges, oldest first, and
+    ``system`` its system message (formatted into training prompts by `training.data.chat_prompt_ids`)."""
 
     id: str
     dataset: str
     prompt: str
     history: tuple[tuple[str, str], ...] = ()
+    system: str = ""
 
 
 @dataclass(frozen=True)

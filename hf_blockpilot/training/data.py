@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from array import array
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
+from itertools import accumulate, islice
 from pathlib import Path
 
 import torch
@@ -23,6 +26,7 @@ from ..data import PromptRecord, chat_text
 from .distributed import barrier, rank_and_world_size
 
 RESPONSES_FILE = "responses.jsonl"
+RESPONSES_PATTERN = "responses*.jsonl"  # RESPONSES_FILE, or one file a rank (`responses_file`) under torchrun
 CONVERSATIONS_FILE = "conversations.jsonl"  # tokenized conversations with their assistant spans
 MANIFEST_FILE = "manifest.json"  # what a hidden-state cache holds (`cache_hidden_states`)
 
@@ -61,7 +65,8 @@ def chat_prompt_ids(
     tokenizer: PreTrainedTokenizerBase, record: PromptRecord, max_length: int | None = None
 ) -> list[int]:
     """Token ids of `record` as `chat_text` formats it (its last `max_length` where given)."""
-    ids = tokenizer(chat_text(tokenizer, record.prompt, record.history), add_special_tokens=False)["input_ids"]
+    text = chat_text(tokenizer, record.prompt, record.history, record.system)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[-max_length:] if max_length else ids
 
 
@@ -107,42 +112,131 @@ def target_answers(
     return [(p, tokenizer.decode(answers[p.id], skip_special_tokens=True).strip()) for p in prompts]
 
 
-def read_sequences(data_dir: str | Path) -> list[TrainingSequence]:
-    """Sequences stored in `data_dir`: the target's answers (`generate_responses`) and tokenized conversations
-    (`write_conversations`)."""
-    paths = [Path(data_dir) / name for name in (RESPONSES_FILE, CONVERSATIONS_FILE)]
+def read_sequences(data_dir: str | Path) -> StoredSequences:
+    """Sequences stored in `data_dir`: the target's answers (`generate_responses`, one file per rank when it ran
+    under torchrun) and tokenized conversations (`write_conversations`), read from disk as they are used."""
+    data_dir = Path(data_dir)
+    paths = [*sorted(data_dir.glob(RESPONSES_PATTERN)), data_dir / CONVERSATIONS_FILE]
     if not any(path.exists() for path in paths):
         raise FileNotFoundError(
             f"no {RESPONSES_FILE} or {CONVERSATIONS_FILE} in {data_dir}: run `hf-blockpilot train-drafter` data "
             "generation first, or give it --conversations"
         )
-    out = []
-    for path in (p for p in paths if p.exists()):
-        with path.open() as f:
-            for line in f:
-                if not line.endswith("\n"):  # a line still being written by a running generation
-                    break
-                row = json.loads(line)
-                if "spans" in row:
-                    spans = tuple(tuple(span) for span in row["spans"])
-                    out.append(TrainingSequence(row["id"], row["input_ids"], spans[0][0], spans))
-                else:
-                    ids = row["prompt_ids"] + row["response_ids"]
-                    out.append(TrainingSequence(row["id"], ids, len(row["prompt_ids"])))
-    return out
+    return StoredSequences([path for path in paths if path.exists()])
+
+
+class StoredSequences(Sequence[TrainingSequence]):
+    """The sequences of JSONL files (`read_sequences`), each parsed from disk when it is used: memory holds one
+    byte offset per sequence, however large the data. A last line without its newline (still being written by a
+    running generation) is left out."""
+
+    def __init__(self, paths: Sequence[Path]):
+        self._paths = list(paths)
+        self._offsets = []
+        for path in self._paths:
+            offsets, position = array("q"), 0
+            with path.open("rb") as f:
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break
+                    offsets.append(position)
+                    position += len(line)
+            self._offsets.append(offsets)
+        self._ends = list(accumulate(len(offsets) for offsets in self._offsets))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, index: int | slice) -> TrainingSequence | list[TrainingSequence]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sequence {index} of {len(self)}")
+        index %= len(self)
+        file = bisect_right(self._ends, index)
+        with self._paths[file].open("rb") as f:
+            f.seek(self._offsets[file][index - (self._ends[file - 1] if file else 0)])
+            return _stored_sequence(json.loads(f.readline()))
+
+    def __iter__(self) -> Iterator[TrainingSequence]:
+        for path, offsets in zip(self._paths, self._offsets, strict=True):
+            with path.open("rb") as f:
+                for _ in offsets:
+                    yield _stored_sequence(json.loads(f.readline()))
+
+
+class SequenceView(Sequence[TrainingSequence]):
+    """The sequences of `base` at `indices`, in that order, without a copy of them."""
+
+    def __init__(self, base: Sequence[TrainingSequence], indices: Iterable[int]):
+        self._base, self._indices = base, array("q", indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int | slice) -> TrainingSequence | list[TrainingSequence]:
+        if isinstance(index, slice):
+            return [self._base[i] for i in self._indices[index]]
+        return self._base[self._indices[index]]
+
+
+def _stored_sequence(row: dict) -> TrainingSequence:
+    if "spans" in row:
+        spans = tuple(tuple(span) for span in row["spans"])
+        return TrainingSequence(row["id"], row["input_ids"], spans[0][0], spans)
+    return TrainingSequence(row["id"], row["prompt_ids"] + row["response_ids"], len(row["prompt_ids"]))
 
 
 #: ShareGPT role names, as SpecForge-style data writes them, and the chat-template roles they stand for.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
-def read_conversations(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[TrainingSequence]:
+def read_conversations(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> Iterator[TrainingSequence]:
     """ShareGPT / SpecForge-style JSONL (`{"id": ..., "conversations": [{"role": ..., "content": ...}, ...]}`, or
     `from` / `value` keys with ShareGPT's `human` / `gpt` roles) as sequences supervised on the assistant turns
-    only: the chat template is applied to the whole conversation, and each assistant turn's tokens are those the
-    template adds for it after the turns before it (with the generation prompt). A ValueError names a line whose
-    template does not extend the earlier turns' tokens that way."""
-    out = []
+    only, read line by line: the chat template is applied to the whole conversation, and each assistant turn's
+    tokens are those the template adds for it after the turns before it (with the generation prompt). A ValueError
+    names a line whose template does not extend the earlier turns' tokens that way."""
+    for number, seq_id, messages in _conversations(path):
+        ids = _template_ids(tokenizer, messages, add_generation_prompt=False)
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = _template_ids(tokenizer, messages[:k], add_generation_prompt=True)
+            through = _template_ids(tokenizer, messages[: k + 1], add_generation_prompt=False)
+            if ids[: len(before)] != before or ids[: len(through)] != through:
+                raise ValueError(
+                    f"{path}:{number}: the chat template does not extend the earlier turns' tokens at turn {k}, so "
+                    "the assistant's tokens cannot be told apart: use a template that renders turns in order"
+                )
+            spans.append((len(before), len(through)))
+        if spans:
+            yield TrainingSequence(seq_id, ids, spans[0][0], tuple(spans))
+
+
+def conversation_prompts(path: str | Path) -> Iterator[PromptRecord]:
+    """The prompts of ShareGPT / SpecForge-style JSONL (as `read_conversations` reads it) for self-distillation, read
+    line by line: one per user turn, after the conversation's earlier turns as written (the system message and the
+    `(user, assistant)` exchanges before it), id `<conversation id>/<index of its answer among the turns>`, so the
+    target answers each turn as it would in that conversation. A ValueError names a line whose turns do not
+    alternate user / assistant after an optional system message."""
+    for number, seq_id, messages in _conversations(path):
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+        turns = messages[1:] if system else messages
+        roles = [message["role"] for message in turns]
+        if any(role != ("user", "assistant")[k % 2] for k, role in enumerate(roles)):
+            raise ValueError(
+                f"{path}:{number}: turns {roles} do not alternate user / assistant (after an optional system message): "
+                "self-distillation answers each user turn after the exchanges before it"
+            )
+        history = tuple((turns[k]["content"], turns[k + 1]["content"]) for k in range(0, len(turns) - 1, 2))
+        for k in range(0, len(turns), 2):  # a last user turn without its answer is a prompt too
+            yield PromptRecord(f"{seq_id}/{k + 1}", "conversations", turns[k]["content"], history[: k // 2], system)
+
+
+def _conversations(path: str | Path) -> Iterator[tuple[int, str, list[dict]]]:
+    """(line number, id, chat messages) of each conversation of a ShareGPT / SpecForge-style JSONL file."""
     with Path(path).open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -155,32 +249,18 @@ def read_conversations(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> 
                 }
                 for turn in row["conversations"]
             ]
-            ids = _template_ids(tokenizer, messages, add_generation_prompt=False)
-            spans = []
-            for k, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                before = _template_ids(tokenizer, messages[:k], add_generation_prompt=True)
-                through = _template_ids(tokenizer, messages[: k + 1], add_generation_prompt=False)
-                if ids[: len(before)] != before or ids[: len(through)] != through:
-                    raise ValueError(
-                        f"{path}:{number}: the chat template does not extend the earlier turns' tokens at turn {k}, so "
-                        "the assistant's tokens cannot be told apart: use a template that renders turns in order"
-                    )
-                spans.append((len(before), len(through)))
-            if spans:
-                out.append(
-                    TrainingSequence(str(row.get("id", f"{Path(path).stem}/{number}")), ids, spans[0][0], tuple(spans))
-                )
-    return out
+            yield number, str(row.get("id", f"{Path(path).stem}/{number}")), messages
 
 
-def write_conversations(sequences: Sequence[TrainingSequence], data_dir: str | Path) -> Path:
-    """Store `read_conversations`' sequences in `data_dir` (`read_sequences` reads them with the answers)."""
+def write_conversations(sequences: Iterable[TrainingSequence], data_dir: str | Path) -> Path:
+    """Store `read_conversations`' sequences in `data_dir` as they come (`read_sequences` reads them with the
+    answers)."""
     path = Path(data_dir) / CONVERSATIONS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = ({"id": s.id, "input_ids": s.input_ids, "spans": [list(span) for span in s.spans]} for s in sequences)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with path.open("w") as f:
+        for seq in sequences:
+            row = {"id": seq.id, "input_ids": seq.input_ids, "spans": [list(span) for span in seq.spans]}
+            f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -189,9 +269,11 @@ def _template_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _batches(items: Sequence, size: int) -> Iterator[Sequence]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+def _batches(items: Iterable, size: int) -> Iterator[list]:
+    """`items` in lists of `size` (the last one shorter), read as they come."""
+    iterator = iter(items)
+    while batch := list(islice(iterator, size)):
+        yield batch
 
 
 @torch.inference_mode()
@@ -208,19 +290,21 @@ def generate_responses(
 ) -> int:
     """Answer `prompts` with the target (greedy, batched) and append them to `data_dir/responses.jsonl`.
 
-    Prompts already answered (by id) are skipped, so an interrupted run resumes. Prompts are batched by
-    length to limit padding. With `max_seconds`, no batch starts after that much time (a time-boxed run on
-    a lent machine keeps the prompts answered so far; rerunning goes on with the rest).
+    Prompts already answered (by id, in any `responses*.jsonl` there) are skipped, so an interrupted run resumes.
+    `prompts` is read as it goes (any iterable, e.g. `conversation_prompts` of a large file), a few batches at a
+    time, each such chunk batched by length to limit padding. Under torchrun every rank answers its share (every
+    world-size-th prompt) into its own file (`responses_file`). With `max_seconds`, no batch starts after that
+    much time (a time-boxed run on a lent machine keeps the prompts answered so far; rerunning goes on).
     `dtype` runs generation in another precision: "auto" is bfloat16 where the
     target's device runs it natively (`runs_bf16_natively`), else the target's own; None keeps the target's.
     Returns the number of new response tokens written.
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    out_path = data_dir / RESPONSES_FILE
-    done = {json.loads(line)["id"] for line in out_path.open()} if out_path.exists() else set()
-    todo = [(p.id, chat_prompt_ids(tokenizer, p, max_prompt_tokens)) for p in prompts if p.id not in done]
-    todo.sort(key=lambda item: len(item[1]))
+    rank, world_size = rank_and_world_size()
+    out_path = responses_file(data_dir)
+    done = answered_ids(data_dir)
+    total = len(range(rank, len(prompts), world_size)) if isinstance(prompts, Sized) else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(generation_eos_ids(target))
     if dtype == "auto":
@@ -229,37 +313,59 @@ def generate_responses(
     model = target.to(dtype) if dtype is not None else target  # the caller's dtype is restored below
     written = 0
     start = time.monotonic()
-    bar = tqdm(total=len(todo), desc="target responses", unit="prompt")
+    bar = tqdm(total=total, desc="target responses", unit="prompt", disable=rank != 0)
     try:
         with out_path.open("a") as f:
-            for batch in _batches(todo, batch_size):
-                if max_seconds is not None and time.monotonic() - start > max_seconds:
-                    break
-                width = max(len(ids) for _, ids in batch)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                attention_mask = torch.zeros_like(input_ids)
-                for row, (_, ids) in enumerate(batch):  # left padding
-                    input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                    attention_mask[row, width - len(ids) :] = 1
-                out = model.generate(
-                    input_ids=input_ids.to(model.device),
-                    attention_mask=attention_mask.to(model.device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=pad_id,
-                )[:, width:].tolist()
-                for (seq_id, ids), response in zip(batch, out, strict=True):
-                    end = next((i + 1 for i, tok in enumerate(response) if tok in eos_ids), len(response))
-                    response = response[:end]
-                    f.write(json.dumps({"id": seq_id, "prompt_ids": ids, "response_ids": response}) + "\n")
-                    written += len(response)
-                f.flush()
-                bar.update(len(batch))
-                bar.set_postfix(tokens=written)
+            for chunk in _batches(islice(prompts, rank, None, world_size), 16 * batch_size):
+                todo = [(p.id, chat_prompt_ids(tokenizer, p, max_prompt_tokens)) for p in chunk if p.id not in done]
+                bar.update(len(chunk) - len(todo))
+                todo.sort(key=lambda item: len(item[1]))
+                for batch in _batches(todo, batch_size):
+                    if max_seconds is not None and time.monotonic() - start > max_seconds:
+                        return written
+                    width = max(len(ids) for _, ids in batch)
+                    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                    attention_mask = torch.zeros_like(input_ids)
+                    for row, (_, ids) in enumerate(batch):  # left padding
+                        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                        attention_mask[row, width - len(ids) :] = 1
+                    out = model.generate(
+                        input_ids=input_ids.to(model.device),
+                        attention_mask=attention_mask.to(model.device),
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        pad_token_id=pad_id,
+                    )[:, width:].tolist()
+                    for (seq_id, ids), response in zip(batch, out, strict=True):
+                        end = next((i + 1 for i, tok in enumerate(response) if tok in eos_ids), len(response))
+                        response = response[:end]
+                        f.write(json.dumps({"id": seq_id, "prompt_ids": ids, "response_ids": response}) + "\n")
+                        written += len(response)
+                    f.flush()
+                    bar.update(len(batch))
+                    bar.set_postfix(tokens=written)
     finally:
         target.to(original_dtype)
         bar.close()
     return written
+
+
+def responses_file(data_dir: Path) -> Path:
+    """The file this process appends its answers to: `responses.jsonl`, or `responses.rank<r>.jsonl` under
+    torchrun (`read_sequences` reads them all). A last line left unfinished by a killed run is cut off."""
+    rank, world_size = rank_and_world_size()
+    path = data_dir / (RESPONSES_FILE if world_size == 1 else f"responses.rank{rank}.jsonl")
+    if path.exists():
+        with path.open("rb+") as f:
+            data = f.read()
+            f.truncate(data.rfind(b"\n") + 1)
+    return path
+
+
+def answered_ids(data_dir: Path) -> set[str]:
+    """The ids of the prompts answered in `data_dir` (every `responses*.jsonl`, whole lines)."""
+    paths = sorted(data_dir.glob(RESPONSES_PATTERN))
+    return {seq.id for seq in StoredSequences(paths)} if paths else set()
 
 
 @torch.inference_mode()
@@ -310,23 +416,27 @@ def cache_hidden_states(
     rank, world_size = rank_and_world_size()
     cache_dir = Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    missing = [s for s in sequences if not _hidden_file(cache_dir, s).exists()]
+    by_id, missing = [], []  # (id, index) of every sequence, (length, index) of those without states on disk
+    for index, seq in enumerate(sequences):  # one pass; sequences are read again batch by batch
+        by_id.append((seq.id, index))
+        if not _hidden_file(cache_dir, seq).exists():
+            missing.append((len(seq.input_ids), index))
     token_bytes = len(layer_ids) * target.config.get_text_config().hidden_size * dtype.itemsize
     logger.info(
         "target hidden states: %d of %d sequences to compute, %.3f GB on disk (%d bytes a token)",
         len(missing),
-        len(sequences),
-        sum(len(s.input_ids) for s in missing) * token_bytes / 1e9,
+        len(by_id),
+        sum(length for length, _ in missing) * token_bytes / 1e9,
         token_bytes,
     )
-    mine = {s.id for s in sorted(sequences, key=lambda s: s.id)[rank::world_size]}  # whatever is cached already
-    todo = sorted((s for s in missing if s.id in mine), key=lambda s: len(s.input_ids))
+    mine = {index for _, index in sorted(by_id)[rank::world_size]}  # whatever is cached already
+    todo = sorted(item for item in missing if item[1] in mine)
     bar = tqdm(total=len(todo), desc="target hidden states", unit="seq", disable=rank != 0)
     while todo:
         count = 1
-        while count < len(todo) and (count + 1) * len(todo[count].input_ids) <= tokens_per_batch:
+        while count < len(todo) and (count + 1) * todo[count][0] <= tokens_per_batch:
             count += 1
-        batch, todo = todo[:count], todo[count:]
+        batch, todo = [sequences[index] for _, index in todo[:count]], todo[count:]
         hidden = target_hidden_states(target, batch, layer_ids, dtype).cpu()
         for row, seq in enumerate(batch):
             save_file({"hidden": hidden[row, : len(seq.input_ids)].contiguous()}, str(_hidden_file(cache_dir, seq)))

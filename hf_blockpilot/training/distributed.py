@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -57,10 +58,21 @@ def on_any_rank(flag: bool) -> bool:
     return bool(summed_over_ranks(torch.tensor([int(flag)], device="cuda" if nccl else "cpu")).item())
 
 
+#: How long a rank waits at `barrier` for the others: data preparation (answers, hidden states) may take hours and
+#: finish at different times on different ranks, past the backends' default timeouts (10-30 minutes).
+BARRIER_TIMEOUT = timedelta(days=2)
+_barrier_groups: dict = {}  # default process group -> its gloo group for `barrier`
+
+
 def barrier() -> None:
-    """Wait for every rank (nothing outside a process group)."""
-    if rank_and_world_size()[1] > 1:
-        dist.barrier()
+    """Wait for every rank (nothing outside a process group), however long the slowest takes (`BARRIER_TIMEOUT`),
+    on a gloo group of its own, so that the training collectives keep their backend's timeout."""
+    if rank_and_world_size()[1] == 1:
+        return
+    default = dist.group.WORLD
+    if default not in _barrier_groups:
+        _barrier_groups[default] = dist.new_group(backend="gloo", timeout=BARRIER_TIMEOUT)
+    dist.barrier(group=_barrier_groups[default])
 
 
 def shard(layers: Iterable[nn.Module], root: nn.Module | None = None) -> None:

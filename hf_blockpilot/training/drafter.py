@@ -8,6 +8,7 @@ weighted by exp(-(k-1)/gamma). The target's embedding and LM head are frozen and
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ import shutil
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -28,8 +29,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .._compat import runs_bf16_natively
+from ..data import PromptRecord
 from ..modeling_block_diffusion import BlockDiffusionDrafter
-from .data import TrainingSequence, load_hidden_states, target_hidden_states
+from .data import SequenceView, TrainingSequence, load_hidden_states, target_hidden_states
 from .distributed import (
     barrier,
     full_states,
@@ -203,11 +205,19 @@ class DrafterTrainer:
         if self.world_size > 1 and not self.sharded:
             # the buffers (draft vocabulary map, rotary frequencies) never change: no broadcast in every forward
             self.model = DistributedDataParallel(drafter, broadcast_buffers=False)
-        usable = [s for s in sequences if len(s.supervised_tokens()) >= 2]
-        held_out = [is_validation_sequence(s.id, config.validation_fraction) for s in usable]
-        self.sequences = [s for s, v in zip(usable, held_out, strict=True) if not v]
-        self.validation = sorted((s for s, v in zip(usable, held_out, strict=True) if v), key=lambda s: s.id)
-        self.validation = self.validation[: config.validation_max_sequences]
+        # one pass over the data, which may be read from disk as it is used (`read_sequences`): an index is kept
+        # per training sequence, and the first `validation_max_sequences` held-out ones by id
+        training, held_out = [], []
+        for index, seq in enumerate(sequences):
+            if len(seq.supervised_tokens()) < 2:
+                continue
+            if is_validation_sequence(seq.id, config.validation_fraction):
+                held_out.append((seq.id, index))
+            else:
+                training.append(index)
+        self.sequences = SequenceView(sequences, training)
+        first = heapq.nsmallest(config.validation_max_sequences, held_out)
+        self.validation = SequenceView(sequences, [index for _, index in first])
         if not self.sequences:
             raise ValueError("no training sequence has a response of at least 2 tokens")
         self.hidden_cache_dir = None if hidden_cache_dir is None else Path(hidden_cache_dir)
@@ -263,8 +273,11 @@ class DrafterTrainer:
 
     def vocab_coverage(self) -> float:
         """Share of the training response tokens the draft vocabulary can propose (1.0 for the full one)."""
-        tokens = torch.tensor([t for s in self.sequences for t in s.supervised_tokens()])
-        return (self.target_to_draft[tokens] >= 0).float().mean().item() if tokens.numel() else 1.0
+        covered = total = 0
+        for seq in self.sequences:
+            tokens = torch.tensor(seq.supervised_tokens(), dtype=torch.long)
+            covered, total = covered + int((self.target_to_draft[tokens] >= 0).sum()), total + tokens.numel()
+        return covered / total if total else 1.0
 
     # ------------------------------------------------------------------------------------------ one step
     def hidden_states(self, batch: Sequence[TrainingSequence]) -> torch.Tensor:
@@ -637,7 +650,7 @@ def train_drafter(
     target: PreTrainedModel,
     tokenizer,
     output_dir: str | Path,
-    prompts: Sequence | None = None,
+    prompts: Iterable[PromptRecord] | None = None,
     *,
     num_layers: int = 1,
     target_layer_ids: list[int] | None = None,
@@ -681,8 +694,7 @@ def train_drafter(
 
     config = config or DrafterTrainingConfig()
     output_dir = Path(output_dir)
-    lead = rank_and_world_size()[0] == 0  # under torchrun, rank 0 prepares the data and the others wait for it
-    if prompts is not None and lead:
+    if prompts is not None:  # under torchrun every rank answers its share
         generate_responses(
             target,
             tokenizer,
