@@ -205,15 +205,6 @@ def test_dflash2_works_under_the_policy_and_the_adaptive_controller(tmp_path):
     assert verified["PrefillMLPPolicy"] > 0
 
 
-def test_training_a_dflash2_drafter_is_refused():
-    from hf_blockpilot.training.drafter import DrafterTrainer, DrafterTrainingConfig
-
-    target = _target("qwen3", seed=0)
-    drafter = make_dflash2_drafter(target)
-    with pytest.raises(ValueError, match="training DFlash 2 drafters"):
-        DrafterTrainer(drafter, target, [], None, "unused", DrafterTrainingConfig())
-
-
 # ----------------------------------------------------------------------------------------- exact sampling
 SAMPLING_VOCAB = 4
 
