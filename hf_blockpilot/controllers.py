@@ -83,6 +83,7 @@ class DraftController:
 
     name = "fixed"
     reads_confidence = False  # whether `num_to_verify` needs per-slot confidences (a softmax per round)
+    chooses_verify_count = False  # whether `num_to_verify` may send fewer than all drafts to the target
     correct_width = False  # whether a τ policy's width follows the acceptance the request's rounds show
     prior_trials = 2.0  # what a τ policy's prediction weighs against observed slots (`TauEvidence`)
 
@@ -401,6 +402,7 @@ class EntropyStop(DraftController):
 
     name = "entropy"
     reads_confidence = True
+    chooses_verify_count = True
 
     def __init__(self, max_block_size: int = 16, gamma: float = 0.5, threshold: float = 0.4):
         super().__init__(check_block_size(max_block_size, "max_block_size"))
@@ -432,6 +434,7 @@ class AdaptiveVerify(DraftController):
 
     name = "adaptive"
     reads_confidence = True
+    chooses_verify_count = True
 
     def __init__(
         self,
@@ -536,6 +539,10 @@ class DelegatingController(DraftController):
     @property
     def reads_confidence(self) -> bool:  # type: ignore[override]
         return self.inner.reads_confidence
+
+    @property
+    def chooses_verify_count(self) -> bool:  # type: ignore[override]
+        return self.inner.chooses_verify_count
 
     def for_request(self) -> DelegatingController:
         fresh = copy.copy(self)
@@ -671,13 +678,18 @@ class SpeculationGuard(DelegatingController):
         self.seconds = self.prior_rounds * self.cost_model.round_ms(width, self.temperature) / 1000
 
     def speculation_can_pay(self, width: int) -> bool:
-        """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance."""
+        """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance, verified
+        as the inner controller verifies: at the best count where it chooses one, else every draft."""
         if width <= 1:
             return False
         if self.cost_model is None:
             return True
         plain_ms = self.cost_model.modeled_round_ms(1, 0, self.temperature)
-        return self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature) * plain_ms > 1.0
+        if self.inner.chooses_verify_count:
+            rate = self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature)
+        else:
+            rate = geometric_tau(self.prior_acceptance, width) / self.cost_model.round_ms(width, self.temperature)
+        return rate * plain_ms > 1.0
 
     def width(self) -> int:
         if self.plain_request or self.paused_for > 0:
