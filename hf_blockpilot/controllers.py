@@ -678,8 +678,9 @@ class SpeculationGuard(DelegatingController):
         self.seconds = self.prior_rounds * self.cost_model.round_ms(width, self.temperature) / 1000
 
     def speculation_can_pay(self, width: int) -> bool:
-        """Whether drafting `width` slots beats plain steps under the cost model at the prior acceptance, verified
-        as the inner controller verifies: at the best count where it chooses one, else every draft."""
+        """Whether drafting `width` slots beats plain steps under the cost model, verified as the inner controller
+        verifies: at the best count, at the prior acceptance, where it chooses one; else every draft, at the τ the
+        inner controller expects (a τ policy's `tau_curve`) or else at the prior acceptance."""
         if width <= 1:
             return False
         if self.cost_model is None:
@@ -688,7 +689,9 @@ class SpeculationGuard(DelegatingController):
         if self.inner.chooses_verify_count:
             rate = self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature)
         else:
-            rate = geometric_tau(self.prior_acceptance, width) / self.cost_model.round_ms(width, self.temperature)
+            curve = self.inner.tau_curve() or {}
+            tau = curve.get(width, geometric_tau(self.prior_acceptance, width))
+            rate = tau / max(self.cost_model.round_ms(width, self.temperature), 1e-9)
         return rate * plain_ms > 1.0
 
     def width(self) -> int:

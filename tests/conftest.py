@@ -130,6 +130,18 @@ def make_dflash2_drafter(
     return drafter
 
 
+def default_where_drafting_pays(drafter):
+    """The default controller (`default_controller`: the guard around the drafter's policy or block size), judged
+    on costs where drafting any width pays (a verify of up to 64 tokens costs one plain step): it drafts at the width
+    it decides, on any machine and whatever the shipped fallback table says."""
+    from hf_blockpilot.controllers import default_controller
+    from hf_blockpilot.costs import CostModel
+
+    controller = default_controller(drafter)
+    controller.use_cost_model(CostModel(target_ms={1: 10.0, 64: 10.0}, drafter_ms={2: 1.0, 64: 1.0}))
+    return controller
+
+
 def greedy_generate(target, prompt, max_new_tokens, eos, **kwargs):
     """Greedy `generate` stopping on `eos` (None: only on length), pad id 0; kwargs e.g. `assistant_model`."""
     return target.generate(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import random
 
 import torch
-from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target, make_windowed_drafter
+from conftest import (
+    ScriptedDrafter,
+    default_where_drafting_pays,
+    greedy_generate,
+    make_drafter,
+    make_target,
+    make_windowed_drafter,
+)
 
 import hf_blockpilot
 from hf_blockpilot import AdaptiveVerify
@@ -42,7 +49,8 @@ def test_greedy_identical_over_randomized_cases():
         if scripted:
             drafter.rig(target, expected, error_rate=rng.choice([0.0, 0.05, 0.2, 0.5]), seed=case)
 
-        got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter)
+        controller = default_where_drafting_pays(drafter)
+        got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter, draft_controller=controller)
         msg = (
             f"case {case}: {family} prompt={prompt_len} b={block_size} max_new={max_new} eos={eos} scripted={scripted}"
         )
@@ -86,7 +94,9 @@ def test_block_size_setter_and_other_sizes(family):
     expected = greedy_generate(target, prompt, 20, None)
     for block_size in (2, 3, 7, 16, 40):
         drafter.block_size = block_size
-        assert torch.equal(greedy_generate(target, prompt, 20, None, assistant_model=drafter), expected)
+        controller = default_where_drafting_pays(drafter)
+        got = greedy_generate(target, prompt, 20, None, assistant_model=drafter, draft_controller=controller)
+        assert torch.equal(got, expected)
         assert drafter.last_stats.block_size == block_size
         assert max(drafter.last_stats.drafted_per_round) == min(
             block_size - 1, 20 - 2

@@ -44,14 +44,21 @@ def test_a_request_decodes_plain_when_the_costs_say_speculation_loses():
 def test_the_request_check_prices_the_drafts_as_the_inner_controller_verifies_them():
     """Wide verifies that cost many plain steps (a CPU's exact bfloat16 path): a fixed width verifies every draft,
     so at the prior acceptance b = 16 cannot pay, while a controller that picks its verify count can still send
-    one draft, which pays; b = 2 pays either way."""
+    one draft, which pays; b = 2 pays either way, and b = 16 where the controller expects τ(16) = 5."""
     cost = CostModel(target_ms={1: 20.0, 2: 24.0, 4: 34.0, 16: 90.0}, drafter_ms={2: 2.0, 16: 3.0})
+
+    class Expecting(DraftController):  # a τ policy's controller: it expects τ(16) = 5 of this request
+        name = "expecting"
+
+        def tau_curve(self) -> dict[int, float]:
+            return {16: 5.0}
+
     verdicts = {}
-    for inner in (DraftController(16), AdaptiveVerify(16), DraftController(2)):
+    for inner in (DraftController(16), AdaptiveVerify(16), DraftController(2), Expecting(16)):
         guard = SpeculationGuard(inner)
         guard.use_cost_model(cost)
         verdicts[f"{inner.name}-{inner.block_size}"] = guard.speculation_can_pay(inner.block_size)
-    assert verdicts == {"fixed-16": False, "adaptive-16": True, "fixed-2": True}
+    assert verdicts == {"fixed-16": False, "adaptive-16": True, "fixed-2": True, "expecting-16": True}
 
 
 def test_drafting_pauses_below_break_even_and_probes_again_with_doubling_pauses():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_drafter, make_target, save_tiny_pair
+from conftest import default_where_drafting_pays, make_drafter, make_target, save_tiny_pair
 from torch import nn
 
 from hf_blockpilot import BlockPilotPolicy
@@ -79,7 +79,7 @@ def test_imported_policy_decodes_losslessly_under_generate(target, tmp_path):
     ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     common = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
     expected = target.generate(ids, **common)
-    got = target.generate(ids, assistant_model=drafter, **common)
+    got = target.generate(ids, assistant_model=drafter, draft_controller=default_where_drafting_pays(drafter), **common)
     assert torch.equal(got, expected)
     assert drafter.last_stats.block_size in range(14, 19)
 
