@@ -1,6 +1,6 @@
-"""Training DFlash 2 drafters: the convolutions stay within each packed block, the candidate selector learns,
-the teacher-forced replay is real greedy decoding, and a trained checkpoint drafts in the authors' reference
-classes (PyPI `dflash==0.1.0`) exactly what it drafts here."""
+"""Training DFlash 2 drafters: the convolutions stay within each packed block, the candidate selector learns, and
+a trained checkpoint drafts in the authors' reference classes (PyPI `dflash==0.1.0`) exactly what it drafts here
+(the teacher-forced replay equal to real greedy decoding: `test_training.py`)."""
 
 from __future__ import annotations
 
@@ -11,47 +11,17 @@ import pytest
 import torch
 from conftest import init_dflash2, make_target
 from test_reference_parity import VOCAB, _target, assert_rounds_equal_the_reference
+from test_training import DFLASH2_SIZES, own_responses_trainer
 
 from hf_blockpilot import BlockDiffusionDrafter
 from hf_blockpilot.configuration_block_diffusion import DFLASH2_DEFAULT_SIZES
-from hf_blockpilot.training.data import TrainingSequence
 from hf_blockpilot.training.drafter import (
-    DrafterTrainer,
-    DrafterTrainingConfig,
     block_attention_mask,
     init_drafter_from_target,
     train_drafter,
 )
 
-SIZES = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 5}
-
-
-def _config(steps: int, **overrides) -> DrafterTrainingConfig:
-    fields = dict(
-        block_size=4,
-        anchors_per_sequence=16,
-        sequences_per_step=3,
-        max_steps=steps,
-        learning_rate=1e-2,
-        warmup_steps=5,
-        save_every=1000,
-        bf16=False,
-        validation_fraction=0.0,
-    )
-    return DrafterTrainingConfig(**{**fields, **overrides})
-
-
-def _own_responses(target, count: int = 6, prompt_len: int = 6, new: int = 30):
-    """The target's greedy responses to random prompts, as training sequences (and the prompts)."""
-    target.generation_config.eos_token_id = None
-    target.generation_config.pad_token_id = 0
-    g = torch.Generator().manual_seed(1)
-    vocab = target.config.vocab_size
-    prompts = [torch.randint(3, vocab - 1, (1, prompt_len), generator=g) for _ in range(count)]
-    responses = [
-        target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, do_sample=False) for p in prompts
-    ]
-    return prompts, responses, [TrainingSequence(f"r/{i}", r[0].tolist(), prompt_len) for i, r in enumerate(responses)]
+SIZES = DFLASH2_SIZES
 
 
 def test_from_target_builds_a_dflash2_drafter_that_starts_as_its_v1_twin():
@@ -119,11 +89,7 @@ def test_packed_blocks_are_convolved_block_by_block():
 
 
 def _trained_dflash2(tmp_path, target, steps: int):
-    prompts, responses, seqs = _own_responses(target)
-    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4, dflash2=SIZES)
-    init_drafter_from_target(drafter, target)
-    trainer = DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", _config(steps, save_every=steps))
-    return prompts, responses, seqs, trainer
+    return own_responses_trainer(tmp_path, target, steps, dflash2=SIZES, save_every=steps)[1:]
 
 
 def test_dflash2_training_lowers_the_loss_and_trains_the_selector(tmp_path):
@@ -143,31 +109,6 @@ def test_dflash2_training_lowers_the_loss_and_trains_the_selector(tmp_path):
     assert after_acc["correct"].sum() > before_acc["correct"].sum()
     assert not torch.equal(selector.predecessor_codebook.weight, codebook)  # the selector loss reaches it
     assert (tmp_path / "run" / "checkpoint" / "config.json").exists()
-
-
-def test_dflash2_replay_is_real_greedy_decoding(tmp_path):
-    """The selector's teacher-forced choices (what training scores) chain into exactly the rounds `generate` runs
-    with the trained DFlash 2 drafter."""
-    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
-    prompts, responses, seqs, trainer = _trained_dflash2(tmp_path, target, steps=60)
-    trainer.train()
-    drafter = trainer.drafter.eval()
-    accepted_any = False
-    for prompt, response, seq in zip(prompts, responses, seqs, strict=True):
-        replay = trainer.replay_acceptance(seq, trainer.hidden_states([seq])[0], chunk=5)
-        out = target.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            assistant_model=drafter,
-            max_new_tokens=30,
-            do_sample=False,
-            draft_controller=drafter.block_size,
-        )
-        assert torch.equal(out, response)
-        real = [a + 1 for a in drafter.last_stats.accepted_per_round[1:]]
-        assert replay[:-1] == real[:-1]
-        accepted_any |= max(real) > 1
-    assert accepted_any
 
 
 def test_trained_dflash2_checkpoint_drafts_alike_in_the_reference(tmp_path, monkeypatch):

@@ -325,39 +325,43 @@ def test_live_hidden_states_match_the_disk_cache(tmp_path):
     assert live.train()["step"] == 3 and not (tmp_path / "live" / "hidden").exists()
 
 
-def _trained_on_own_responses(tmp_path, steps: int = 80):
-    """A tiny target, its greedy responses to 6 prompts, and a drafter trained on them (so rounds accept drafts)."""
-    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+def own_responses_trainer(tmp_path, target=None, steps: int = 80, dflash2=None, **config):
+    """A tiny target (`target`, else a qwen3 one), its greedy responses to 6 prompts, and the trainer of a drafter
+    (a DFlash 2 one with `dflash2` sizes) on them, set for `steps` steps (not yet run); `config` overrides."""
+    target = target or make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
     target.generation_config.eos_token_id = None
     target.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 48, (1, 6), generator=g) for _ in range(6)]
+    prompts = [torch.randint(3, target.config.vocab_size, (1, 6), generator=g) for _ in range(6)]
     responses = [
         target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=30, do_sample=False) for p in prompts
     ]
     seqs = [TrainingSequence(f"r/{i}", r[0].tolist(), 6) for i, r in enumerate(responses)]
-    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4)
+    drafter = BlockDiffusionDrafter.from_target(target, num_hidden_layers=1, block_size=4, dflash2=dflash2)
     init_drafter_from_target(drafter, target)
-    cfg = DrafterTrainingConfig(
-        block_size=4,
-        anchors_per_sequence=16,
-        sequences_per_step=3,
-        max_steps=steps,
-        learning_rate=1e-2,
-        warmup_steps=5,
-        save_every=1000,
-        bf16=False,
-        validation_fraction=0.0,
-    )
-    trainer = DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg)
+    settings = dict(block_size=4, anchors_per_sequence=16, sequences_per_step=3, max_steps=steps, learning_rate=1e-2)
+    settings |= dict(warmup_steps=5, save_every=1000, bf16=False, validation_fraction=0.0)
+    cfg = DrafterTrainingConfig(**settings | config)
+    return target, prompts, responses, seqs, DrafterTrainer(drafter, target, seqs, None, tmp_path / "run", cfg)
+
+
+#: DFlash 2 sizes for the tests' tiny targets (hidden size 64).
+DFLASH2_SIZES = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 5}
+
+
+def _trained_on_own_responses(tmp_path, steps: int = 80, dflash2=None):
+    """`own_responses_trainer`'s drafter, trained (so rounds accept drafts)."""
+    target, prompts, responses, seqs, trainer = own_responses_trainer(tmp_path, steps=steps, dflash2=dflash2)
     trainer.train()
-    drafter.eval()
+    trainer.drafter.eval()
     return target, prompts, responses, seqs, trainer
 
 
-def test_replay_acceptance_equals_real_greedy_decoding(tmp_path):
-    """Chained teacher-forced rounds on the target's own greedy response == `generate` with the drafter."""
-    target, prompts, responses, seqs, trainer = _trained_on_own_responses(tmp_path)
+@pytest.mark.parametrize("dflash2", [None, DFLASH2_SIZES], ids=["dflash", "dflash2"])
+def test_replay_acceptance_equals_real_greedy_decoding(tmp_path, dflash2):
+    """Chained teacher-forced rounds on the target's own greedy response == `generate` with the drafter (DFlash 2:
+    the candidate selector's teacher-forced choices, what its training scores, chain into the same rounds)."""
+    target, prompts, responses, seqs, trainer = _trained_on_own_responses(tmp_path, dflash2=dflash2)
     drafter = trainer.drafter
     accepted_any = False
     for prompt, response, seq in zip(prompts, responses, seqs):
