@@ -649,6 +649,7 @@ class SpeculationGuard(DelegatingController):
         self.next_pause = self.first_pause
         self.judged = 0  # drafting rounds since the last (re)start of drafting
         self.committed = self.seconds = self.rounds = 0.0  # decayed sums over those rounds
+        self.modeled_seconds = 0.0  # the cost model's time of the same rounds, decayed alike
         self.plain_seconds: float | None = None  # a measured plain step (decayed mean), once a pause ran some
         self.last_width = 1
         self.last_time = 0.0
@@ -670,12 +671,14 @@ class SpeculationGuard(DelegatingController):
         """Drafting starts: the decayed sums hold only the prior (`prior_rounds` rounds of `width` slots, every
         draft verified, at the prior acceptance, on the cost model's clock)."""
         self.judged = 0
-        self.committed = self.seconds = self.rounds = 0.0
+        self.committed = self.seconds = self.rounds = self.modeled_seconds = 0.0
         if self.cost_model is None or width <= 1:
             return
         self.rounds = self.prior_rounds
         self.committed = self.prior_rounds * geometric_tau(self.prior_acceptance, width)
-        self.seconds = self.prior_rounds * self.cost_model.round_ms(width, self.temperature) / 1000
+        self.seconds = self.modeled_seconds = (
+            self.prior_rounds * self.cost_model.round_ms(width, self.temperature) / 1000
+        )
 
     def speculation_can_pay(self, width: int) -> bool:
         """Whether drafting `width` slots beats plain steps under the cost model, verified as the inner controller
@@ -715,10 +718,12 @@ class SpeculationGuard(DelegatingController):
         self.inner.observe(verified, accepted)
         if self.cost_model is None:
             return
+        modeled = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature) / 1000
         if self.timing == "modeled":
-            elapsed = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature) / 1000
+            elapsed = modeled
         self.committed = self.decay * self.committed + accepted + 1
         self.seconds = self.decay * self.seconds + elapsed
+        self.modeled_seconds = self.decay * self.modeled_seconds + modeled
         self.rounds = self.decay * self.rounds + 1
         self.judged += 1
         if self.judged < self.probe_rounds:
@@ -745,9 +750,13 @@ class SpeculationGuard(DelegatingController):
             self.plain_seconds = elapsed if last is None else self.decay * last + (1 - self.decay) * elapsed
 
     def _plain_step_seconds(self) -> float:
+        """A plain step as measured in a pause; before any, the cost model's, scaled by how the drafting rounds'
+        measured times compare with their modeled ones: a machine now slower or faster than when it was calibrated
+        (another load, another clock) is judged in its own time, not partly in the calibration's."""
         if self.plain_seconds is not None:
             return self.plain_seconds
-        return self.cost_model.modeled_round_ms(1, 0, self.temperature) / 1000
+        drift = self.seconds / self.modeled_seconds if self.modeled_seconds > 0 else 1.0
+        return drift * self.cost_model.modeled_round_ms(1, 0, self.temperature) / 1000
 
     def describe(self) -> str:
         return f"guarded({self.inner.describe()})"

@@ -61,6 +61,26 @@ def test_the_request_check_prices_the_drafts_as_the_inner_controller_verifies_th
     assert verdicts == {"fixed-16": False, "adaptive-16": True, "fixed-2": True, "expecting-16": True}
 
 
+@pytest.mark.parametrize(("speed", "accepted", "pauses"), [(1.0, 0, True), (2.0, 0, True), (2.0, 2, False)])
+def test_measured_rounds_are_judged_in_the_machine_s_own_time(speed, accepted, pauses):
+    """A machine now `speed` times as fast as when its costs were measured (a plain step modeled at 10 ms, a round
+    of 6 at 15 ms): a round committing one token loses to plain steps at either speed, since a plain step is then
+    as much faster as the round (judged against the modeled 10 ms, the round would have looked like a win at
+    twice the speed); three tokens a round win."""
+    cost = CostModel(target_ms={1: 10.0, 6: 13.0}, drafter_ms={2: 2.0, 6: 2.0})
+    now = [0.0]
+    guard = SpeculationGuard(DraftController(6), timing="measured", clock=lambda: now[0])
+    guard.use_cost_model(cost)
+    guard.begin(0.0, 6)
+    paused = False
+    for _ in range(4):
+        assert guard.width() in (1, 6)
+        paused |= guard.width() == 1
+        now[0] += cost.round_ms(6) / 1000 / speed
+        guard.observe(5, accepted)
+    assert paused == pauses
+
+
 def test_drafting_pauses_below_break_even_and_probes_again_with_doubling_pauses():
     target, drafter, prompt = pair()
     plain = greedy_generate(target, prompt, 80, None)

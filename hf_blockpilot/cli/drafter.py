@@ -67,7 +67,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     elif args.conversations and rank_and_world_size()[0] == 0:  # the others wait for the data in train_drafter
         sequences = chain.from_iterable(read_conversations(path, tokenizer) for path in args.conversations)
         write_conversations(sequences, Path(args.output_dir) / "data")
-    sources = [source for source in sources if not isinstance(source, list) or source]
+    # conversations are read as they are answered; the other prompts are listed (the progress bar's total)
+    prompts = chain.from_iterable(sources) if args.self_distill else [p for source in sources for p in source]
     config = DrafterTrainingConfig(
         block_size=args.block_size,
         max_steps=args.max_steps,
@@ -86,7 +87,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         target,
         tokenizer,
         args.output_dir,
-        chain.from_iterable(sources) if sources else None,
+        prompts or None,
         num_layers=args.num_layers,
         target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id,

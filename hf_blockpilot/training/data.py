@@ -356,10 +356,24 @@ def responses_file(data_dir: Path) -> Path:
     rank, world_size = rank_and_world_size()
     path = data_dir / (RESPONSES_FILE if world_size == 1 else f"responses.rank{rank}.jsonl")
     if path.exists():
-        with path.open("rb+") as f:
-            data = f.read()
-            f.truncate(data.rfind(b"\n") + 1)
+        _cut_unfinished_line(path)
     return path
+
+
+def _cut_unfinished_line(path: Path, chunk: int = 1 << 16) -> None:
+    """Truncate `path` after its last newline (reading back from the end, never the whole file)."""
+    with path.open("rb+") as f:
+        end = position = f.seek(0, 2)
+        while position > 0:
+            start = max(position - chunk, 0)
+            f.seek(start)
+            newline = f.read(position - start).rfind(b"\n")
+            if newline >= 0:
+                position = start + newline + 1
+                break
+            position = start
+        if position != end:
+            f.truncate(position)
 
 
 def answered_ids(data_dir: Path) -> set[str]:
