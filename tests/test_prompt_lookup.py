@@ -114,7 +114,8 @@ def test_greedy_identical_with_prompt_lookup():
         torch.manual_seed(case)
         drafter = BlockDiffusionDrafter.from_target(target, block_size=block_size, draft_vocab=draft_vocab).eval()
         drafter.prompt_lookup = True
-        got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter)
+        # every round drafts (no guard to pause a losing drafter on this machine's timing): both kinds of round
+        got = greedy_generate(target, prompt, max_new, eos, assistant_model=drafter, draft_controller=block_size)
         msg = f"case {case}: prompt={prompt.tolist()} b={block_size} max_new={max_new} eos={eos}"
         assert torch.equal(got, expected), msg
         stats = drafter.last_stats
@@ -136,10 +137,11 @@ def test_prompt_lookup_copies_a_repeating_answer():
     prompt = _ids([5, 9, 13, 5, 9])
     expected = greedy_generate(target, prompt, 64, None)
     drafter = make_drafter(target, seed=0, block_size=6)
-    plain_drafting = greedy_generate(target, prompt, 64, None, assistant_model=drafter)
+    every_round = dict(assistant_model=drafter, draft_controller=6)  # no guard pausing the random drafter
+    plain_drafting = greedy_generate(target, prompt, 64, None, **every_round)
     tau_without = drafter.last_stats.tau
     drafter.prompt_lookup = True
-    with_lookup = greedy_generate(target, prompt, 64, None, assistant_model=drafter)
+    with_lookup = greedy_generate(target, prompt, 64, None, **every_round)
     assert torch.equal(plain_drafting, expected) and torch.equal(with_lookup, expected)
     # a random tiny model falls into a loop within 64 greedy tokens, which lookup copies
     assert drafter.last_stats.lookup_rounds > 0
