@@ -430,10 +430,10 @@ def cache_hidden_states(
     rank, world_size = rank_and_world_size()
     cache_dir = Path(cache_dir) / ("layers-" + "-".join(str(i) for i in layer_ids))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    by_id, missing = [], []  # (id, index) of every sequence, (length, index) of those without states on disk
+    by_id, missing = [], []  # (id, index, length) of every sequence, (length, index) of those without states
     for index, seq in enumerate(sequences):  # one pass; sequences are read again batch by batch
-        by_id.append((seq.id, index))
-        if not _hidden_file(cache_dir, seq).exists():
+        by_id.append((seq.id, index, len(seq.input_ids)))
+        if not _hidden_file(cache_dir, seq.id).exists():
             missing.append((len(seq.input_ids), index))
     token_bytes = len(layer_ids) * target.config.get_text_config().hidden_size * dtype.itemsize
     logger.info(
@@ -443,7 +443,7 @@ def cache_hidden_states(
         sum(length for length, _ in missing) * token_bytes / 1e9,
         token_bytes,
     )
-    mine = {index for _, index in sorted(by_id)[rank::world_size]}  # whatever is cached already
+    mine = {index for _, index, _ in sorted(by_id)[rank::world_size]}  # whatever is cached already
     todo = sorted(item for item in missing if item[1] in mine)
     bar = tqdm(total=len(todo), desc="target hidden states", unit="seq", disable=rank != 0)
     while todo:
@@ -453,12 +453,12 @@ def cache_hidden_states(
         batch, todo = [sequences[index] for _, index in todo[:count]], todo[count:]
         hidden = target_hidden_states(target, batch, layer_ids, dtype).cpu()
         for row, seq in enumerate(batch):
-            save_file({"hidden": hidden[row, : len(seq.input_ids)].contiguous()}, str(_hidden_file(cache_dir, seq)))
+            save_file({"hidden": hidden[row, : len(seq.input_ids)].contiguous()}, str(_hidden_file(cache_dir, seq.id)))
         bar.update(len(batch))
     bar.close()
     barrier()
     if rank == 0:
-        files = {s.id: {"file": _hidden_file(cache_dir, s).name, "tokens": len(s.input_ids)} for s in sequences}
+        files = {seq_id: {"file": _hidden_file(cache_dir, seq_id).name, "tokens": n} for seq_id, _, n in by_id}
         manifest = {
             "layer_ids": list(layer_ids),
             "dtype": str(dtype).removeprefix("torch."),
@@ -471,11 +471,11 @@ def cache_hidden_states(
 
 
 def load_hidden_states(cache_dir: str | Path, seq: TrainingSequence) -> torch.Tensor:
-    return load_file(str(_hidden_file(Path(cache_dir), seq)))["hidden"]
+    return load_file(str(_hidden_file(Path(cache_dir), seq.id)))["hidden"]
 
 
-def _hidden_file(cache_dir: Path, seq: TrainingSequence) -> Path:
-    return cache_dir / f"{_safe_name(seq.id)}.safetensors"
+def _hidden_file(cache_dir: Path, seq_id: str) -> Path:
+    return cache_dir / f"{_safe_name(seq_id)}.safetensors"
 
 
 def _safe_name(seq_id: str) -> str:

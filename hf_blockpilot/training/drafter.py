@@ -340,7 +340,7 @@ class DrafterTrainer:
         draft_labels = torch.where(valid, self.target_to_draft[labels.clamp(min=0)], -100)
         mask = torch.stack([block_attention_mask(row, b, width) for row in anchors])[:, None]
         device = self.drafter.device
-        draft_labels = draft_labels.to(device)
+        labels_here = draft_labels.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = (self.model if torch.is_grad_enabled() else self.drafter)(  # DDP syncs only where it trains
                 block_embeds=self.drafter.embed_block(self.embed, block_ids).to(device).detach(),
@@ -353,15 +353,15 @@ class DrafterTrainer:
             slots = out.view(len(batch), n, b, -1)[:, :, 1:]
             logits = F.linear(slots, self.head_weight.to(slots.dtype), self.head_bias)
         logits = self.drafter.finish_logits(logits.float())
-        ce = F.cross_entropy(logits.flatten(0, -2), draft_labels.flatten(), reduction="none").view_as(draft_labels)
+        ce = F.cross_entropy(logits.flatten(0, -2), labels_here.flatten(), reduction="none").view_as(labels_here)
         drafted = logits.argmax(-1)
         if self.drafter.candidate_selector is not None:
             previous = ids[rows[:, :, None], (label_pos - 1).clamp(min=0)].to(device)  # slot 1's: the anchor
-            selector_ce, drafted = self.selector_loss(slots, logits, previous, draft_labels)
+            selector_ce, drafted = self.selector_loss(slots, logits, previous, labels_here)
             ce = ce + selector_ce
         weights = self.weights.to(device) * valid.to(device)
         loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
-        correct = (drafted.cpu() == draft_labels.cpu()) & valid
+        correct = (drafted.cpu() == draft_labels) & valid
         keep = block_valid.reshape(-1)
         counts = {"correct": correct.reshape(-1, b - 1)[keep], "valid": valid.reshape(-1, b - 1)[keep]}
         return loss, {**counts, "weight": weights.sum()}
