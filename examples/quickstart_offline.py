@@ -5,7 +5,7 @@ python examples/quickstart_offline.py
 
 import torch
 
-import hf_blockpilot  # routes generate(assistant_model=<drafter>) to block-diffusion drafting
+import hf_blockpilot  # noqa: F401  (routes generate(assistant_model=<drafter>) to block-diffusion drafting)
 from hf_blockpilot.tools.loading import load_default_target, resolve_drafter, resolve_policy
 
 target, tokenizer = load_default_target()
@@ -16,11 +16,10 @@ messages = [{"role": "user", "content": "Write a Python function that returns th
 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
 
-with hf_blockpilot.cpu_verify_kernels(target, drafter):  # fast few-token verify forwards on CPU (README)
-    plain = target.generate(**inputs, max_new_tokens=96, do_sample=False)
-    fast = target.generate(
-        **inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False, return_dict_in_generate=True
-    )
+plain = target.generate(**inputs, max_new_tokens=96, do_sample=False)
+fast = target.generate(
+    **inputs, assistant_model=drafter, max_new_tokens=96, do_sample=False, return_dict_in_generate=True
+)
 assert torch.equal(plain, fast.sequences), "greedy block-diffusion decoding must equal plain generate"
 print(tokenizer.decode(fast.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 stats = fast.speculation_stats  # this call's own statistics

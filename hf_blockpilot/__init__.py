@@ -31,7 +31,6 @@ from .controllers import (
     default_controller,
 )
 from .costs import CostModel
-from .cpu_kernels import cpu_verify_kernels
 from .custom_generate import generate
 from .modeling_block_diffusion import BlockDiffusionDrafter
 from .policy import BlockPilotPolicy
@@ -60,7 +59,6 @@ __all__ = [
     "PolicyBlockSize",
     "SpeculationGuard",
     "SpeculationStats",
-    "cpu_verify_kernels",
     "default_controller",
     "generate",
 ]
@@ -75,11 +73,6 @@ _MOVED_NAMES = {
     "LastLogitsMLPPolicy": "hf_blockpilot.policy",
     "PrefillMLPPolicy": "hf_blockpilot.policy",
     "build_target_layer_ids": "hf_blockpilot.configuration_block_diffusion",
-    "grouped_query_attention": "hf_blockpilot.cpu_kernels",
-    "skinny_linear": "hf_blockpilot.cpu_kernels",
-    "skinny_linears": "hf_blockpilot.cpu_kernels",
-    "use_cpu_verify_kernels": "hf_blockpilot.cpu_kernels",
-    "use_skinny_linears": "hf_blockpilot.cpu_kernels",
 }
 
 

@@ -373,9 +373,6 @@ class BatchedSpeculativeDecoder:
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
-        cost = controllers[0].cost_model
-        # one row drafts through the calibrated skinny head kernels (a batch's rows were timed on the stock ones)
-        self.head_rows = cost.kernel_rows if cost is not None and len(controllers) == 1 else ()
         self.vocab_size = self.embed_tokens.weight.shape[0]
         mask = model_kwargs.get("attention_mask")
         self.prompt_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
@@ -609,7 +606,7 @@ class BatchedSpeculativeDecoder:
         for row in self.rows:
             row.stats.drafter_forwards += 1
         self.draft_hidden = out
-        logits = self.drafter.head_logits(out, self.head_weight, self.head_bias, self.head_rows)
+        logits = self.drafter.head_logits(out, self.head_weight, self.head_bias)
         return self.drafter.full_vocabulary(logits, self.vocab_size)
 
     def _extend_draft_context(self) -> None:

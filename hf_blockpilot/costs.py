@@ -30,12 +30,10 @@ class CostModel:
     """Latency (ms) of speculative rounds: target forwards over n tokens, drafter forwards over b slots, and,
     when sampling, the work on vocabulary-sized rows of logits.
 
-    `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one
-    drafter forward over a block of b slots. The batch axis: `batch_target_ms[B][n]` / `batch_drafter_ms[B][b]`
-    are the same forwards over B rows at once (see `for_batch`). Sizes between measured ones are interpolated
-    linearly; sizes past the largest measured one extend its last slope. `kernel_rows`: the target forwards
-    over these token counts run with the CPU verify kernels (`cpu_verify_kernels`), which calibration found
-    exact and faster there. `inexact_rows`: verify forwards over these token counts were probed not to give
+    `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one drafter forward
+    over a block of b slots. The batch axis: `batch_target_ms[B][n]` / `batch_drafter_ms[B][b]` are the same forwards
+    over B rows at once (see `for_batch`). Sizes between measured ones are interpolated linearly; sizes past the largest
+    measured one extend its last slope. `inexact_rows`: verify forwards over these token counts were probed not to give
     plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
     At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
     `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
@@ -47,7 +45,6 @@ class CostModel:
     context_tokens: int = 0
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
-    kernel_rows: list[int] = field(default_factory=list)  # row counts timed with the CPU verify kernels on
     inexact_rows: list[int] = field(default_factory=list)  # verifies over these token counts round unlike plain
     batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
     batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
@@ -116,7 +113,7 @@ class CostModel:
         forwards run over every row at once (a plain step is a batched one-token forward), and the sampling work
         is done per row. Batch sizes the calibration timed are used as timed; others are interpolated linearly
         between timed ones (batch size 1 is `target_ms`); with no batch timed, a forward over B rows of n tokens
-        is charged as one over B * n tokens (the batch's total tokens). The CPU verify kernels stay off."""
+        is charged as one over B * n tokens (the batch's total tokens)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if batch_size == 1:
@@ -142,11 +139,12 @@ class CostModel:
     @classmethod
     def from_dict(cls, raw: dict) -> CostModel:
         """Also reads files written before draws were timed apart: their `sampling_row_ms` (processing and a
-        draw together) is charged per processed row, as it was then."""
+        draw together) is charged per processed row, as it was then; and files from before the CPU verify kernels
+        went (their `kernel_rows` are ignored)."""
         raw = dict(raw)
         raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
-        raw["kernel_rows"] = [int(n) for n in raw.get("kernel_rows", [])]
+        raw.pop("kernel_rows", None)
         raw["inexact_rows"] = [int(n) for n in raw.get("inexact_rows", [])]
         for axis in ("batch_target_ms", "batch_drafter_ms"):
             raw[axis] = {int(b): {int(k): float(v) for k, v in t.items()} for b, t in raw.get(axis, {}).items()}
@@ -168,7 +166,6 @@ class CostModel:
         H100); other pairs and devices should be timed with `hf-blockpilot measure-cost`."""
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
         cost = cls.load(ASSETS / f"cost_model_{kind}.json")
-        cost.kernel_rows = []  # a fallback keeps the stock kernels: never slower than stock on any machine
         cost.source = f"shipped fallback cost_model_{kind}.json (not this machine's)"
         return cost
 

@@ -1,26 +1,14 @@
-"""Faster few-token forwards on CPU: what makes a verify round cost about one plain step.
+"""The exact verify path on CPU: verify forwards that round as plain decoding's one-token steps.
 
-Speculative decoding runs the target over a handful of tokens per round; two stock CPU paths make such a
-forward far dearer than a one-token step, and `cpu_verify_kernels` replaces both for the duration of a block:
-
-- **Linear layers.** PyTorch's `F.linear` (an `x @ W.T` GEMM through MKL) is far slower for 2-32 rows than for
-  one; the same product computed as `(W @ x.T).T` (`skinny_linear`) runs at GEMV speed for few rows. One row
-  (plain decoding), many rows (prefill), non-CPU tensors and dtypes other than float32 keep `F.linear`.
-- **Attention with grouped key/value heads** (GQA: SmolLM2, Llama 3, Qwen3). For more than one query with a
-  mask, Transformers' SDPA path copies every cached key and value `num_key_value_groups` times and PyTorch then
-  falls back to its math kernel, which scales another copy of the keys: work and fresh memory that grow with
-  the context, paid in every layer of every verify round, while a one-token step needs none of it.
-  `grouped_query_attention` stacks the query heads that share a key/value head as extra query rows instead,
-  so nothing is repeated.
-
-Both agree with the stock kernels to float rounding only, and rounding is what greedy equality cannot spare:
-`generate` switches them on only for the row counts where this machine's calibration found them both exact
-(`probe_exact_verify`) and faster (`CostModel.kernel_rows`); on the CPUs seen so far they are never exact, and
-every verify takes the exact path instead (`use_verify_kernels`, docs/exactness.md). `rows=` switches them on
-by hand.
-
-    with hf_blockpilot.cpu_verify_kernels(target, drafter):
-        target.generate(**inputs, assistant_model=drafter)
+A speculative round runs the target over a handful of tokens at once, and CPU kernels round such a forward
+unlike the one-token steps of plain decoding (MKL's float32 GEMM against its GEMV, oneDNN's bfloat16 kernels
+for long reductions on some CPUs, PyTorch's SDPA for several masked queries): a near-tie can then flip a greedy
+choice. `use_verify_kernels` (the one place that decides how a call verifies) gives each call its own view of
+the target in which a verify forward computes every row as a one-token step computes it: attention one query at
+a time (`slotwise_exact_attention`), and linear layers in products of
+as many rows as this machine's kernels round alike (`row_exact_rows`, probed per weight shape and dtype).
+Calibration probes the whole path (`probe_exact_verify`) and times it, so decisions weigh its cost
+(docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from __future__ import annotations
 import contextvars
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -40,168 +28,31 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import grouped_sdpa
-
-#: Up to this many rows `(W @ x.T).T` is faster than `F.linear` on CPU (docs/design-measurements.md); the grouped
-#: attention serves the same range of query lengths.
-SKINNY_MAX_ROWS = 32
-
-#: The row counts the kernels serve unless told otherwise.
-DEFAULT_ROWS = frozenset(range(2, SKINNY_MAX_ROWS + 1))
-#: The query lengths `grouped_query_attention` serves in this thread / task (set by `use_grouped_query_attention`).
-_attention_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "hf_blockpilot_attention_rows", default=DEFAULT_ROWS
-)
-
-#: The name `one_token_exact_attention` is registered under.
-ONE_TOKEN_EXACT_ATTENTION = "hf_blockpilot_one_token_exact_sdpa"
-
-#: The keys each row of a batched verify forward attends over (`slot_key_lengths`), in this thread / task.
+#: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
 _slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | None] = contextvars.ContextVar(
     "hf_blockpilot_slot_key_lengths", default=None
 )
 #: The name `slotwise_exact_attention` is registered under.
 SLOTWISE_EXACT_ATTENTION = "hf_blockpilot_slotwise_exact_sdpa"
 
-#: The name `grouped_query_attention` is registered under in Transformers' attention (and mask) interfaces.
-GROUPED_QUERY_ATTENTION = "hf_blockpilot_grouped_sdpa"
 
-
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: Collection[int] = DEFAULT_ROWS
-) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, computed as `(weight @ x.T).T` for float32 CPU inputs whose row count is in
-    `rows` (default 2..`SKINNY_MAX_ROWS`)."""
-    num_rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or num_rows not in rows:
-        return F.linear(x, weight, bias)
-    out = (weight @ x.reshape(num_rows, x.shape[-1]).T).T
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _skinny_forward(module: nn.Linear, rows: frozenset[int], x: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, module.weight, module.bias, rows)
-
-
-def use_skinny_linears(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
-    """Route every plain `nn.Linear` of `models` through `skinny_linear`; returns the function that undoes it.
-
-    Modules whose `forward` is already overridden on the instance (accelerate offload hooks, an enclosing
-    `skinny_linears`) are left alone, so nesting is safe and hooks keep working.
-    """
-    return _patch_linears(models, lambda module: partial(_skinny_forward, module, frozenset(rows)))
-
-
-def _patch_linears(
-    models: Sequence[nn.Module], forward_for: Callable[[nn.Linear], Callable | None]
-) -> Callable[[], None]:
-    """Give every plain `nn.Linear` of `models` whose `forward` is not already overridden on the instance the
-    forward `forward_for(module)` returns (`None`: leave it); returns the function that undoes it."""
+def _patch_linears(model: nn.Module, forward_for: Callable[[nn.Linear], Callable | None]) -> Callable[[], None]:
+    """Give every plain `nn.Linear` of `model` whose `forward` is not already overridden on the instance (an
+    accelerate offload hook) the forward `forward_for(module)` returns (`None`: leave it); returns the function
+    that undoes it."""
     patched = []
-    for model in models:
-        for module in model.modules():
-            if type(module) is nn.Linear and "forward" not in module.__dict__:
-                forward = forward_for(module)
-                if forward is not None:
-                    module.forward = forward
-                    patched.append(module)
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            forward = forward_for(module)
+            if forward is not None:
+                module.forward = forward
+                patched.append(module)
 
     def undo() -> None:
         for module in patched:
             module.__dict__.pop("forward", None)
 
     return undo
-
-
-@contextmanager
-def skinny_linears(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Iterator[None]:
-    """Within the block, the `nn.Linear` layers of `models` use `skinny_linear` (see the module docstring)."""
-    undo = use_skinny_linears(*models, rows=rows)
-    try:
-        yield
-    finally:
-        undo()
-
-
-def grouped_query_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Transformers' SDPA attention function, with masked queries on CPU computed per key/value head
-    (`grouped_sdpa`), so the cached keys/values are used as they are, for the query lengths switched on
-    (default 2..`SKINNY_MAX_ROWS`). Anything else goes to Transformers' own `sdpa_attention_forward`."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    q_len = query.shape[2]
-    stock = (
-        query.device.type != "cpu"
-        or groups == 1
-        or q_len not in _attention_rows.get()
-        or attention_mask is None  # causal prefill: stock SDPA's `is_causal` path
-        or attention_mask.dim() != 4
-        or attention_mask.shape[1] != 1  # a mask per head
-        or dropout
-        or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))
-    )
-    if stock:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    out = grouped_sdpa(query, key, value, attention_mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(GROUPED_QUERY_ATTENTION, grouped_query_attention)
-AttentionMaskInterface.register(GROUPED_QUERY_ATTENTION, sdpa_mask)  # the masks SDPA gets
-
-
-def one_token_exact_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Transformers' SDPA attention, with each of several queries computed as a one-token decoding step
-    computes it: alone, over the keys up to its own position, unmasked (PyTorch's SDPA rounds several masked
-    queries unlike one). With row-exact linears a verify forward then returns, bit for bit, the logits plain
-    decoding would. The prefill (nothing cached yet) keeps the stock path, as plain decoding's. For unpadded
-    sequences only."""
-    q_len = query.shape[2]
-    past = key.shape[2] - q_len
-    if q_len == 1 or past == 0 or query.device.type != "cpu":  # a decoding step, or the prefill: as plain decoding
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    kwargs = {**kwargs, "is_causal": False}
-    rows = [
-        sdpa_attention_forward(
-            module,
-            query[:, :, i : i + 1],
-            key[:, :, : past + i + 1],
-            value[:, :, : past + i + 1],
-            None,
-            dropout=dropout,
-            scaling=scaling,
-            **kwargs,
-        )[0]
-        for i in range(q_len)
-    ]
-    return torch.cat(rows, dim=1), None
-
-
-AttentionInterface.register(ONE_TOKEN_EXACT_ATTENTION, one_token_exact_attention)
-AttentionMaskInterface.register(ONE_TOKEN_EXACT_ATTENTION, sdpa_mask)
 
 
 def slotwise_exact_attention(
@@ -214,12 +65,12 @@ def slotwise_exact_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """`one_token_exact_attention` for a batch's verify forwards (`hf_blockpilot.batched`): each row's query slot
-    is computed as that row's one-token decoding step computes it in plain batched `generate` (the same SDPA call
-    as Transformers' `sdpa_attention_forward` makes for one query), alone, over exactly the keys plain decoding
-    holds then (PyTorch's SDPA rounds differently when masked keys trail), with the row's mask, or none where
-    plain decoding passes none (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a
-    one-token step of rows of one length, and forwards outside `slot_key_lengths` keep the stock path."""
+    """Transformers' SDPA attention for verify forwards (`hf_blockpilot.batched`): each row's query slot is computed as
+    that row's one-token decoding step computes it in plain batched `generate` (the same SDPA call as Transformers'
+    `sdpa_attention_forward` makes for one query), alone, over exactly the keys plain decoding holds then (PyTorch's
+    SDPA rounds differently when masked keys trail), with the row's mask, or none where plain decoding passes none
+    (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a one-token step of rows of one
+    length, and forwards outside `slot_key_lengths` keep the stock path."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
     lockstep = plan is not None and q_len == 1 and len(set(plan[0])) == 1  # one step, no row's keys trail masked
@@ -287,12 +138,6 @@ def _switch_sdpa(models: Sequence[nn.Module], implementation: str) -> Callable[[
             model.set_attn_implementation("sdpa")
 
     return undo
-
-
-def use_one_token_exact_attention(*models: nn.Module) -> Callable[[], None]:
-    """Switch the SDPA models among `models` to `one_token_exact_attention`; returns the function that switches
-    them back."""
-    return _switch_sdpa(models, ONE_TOKEN_EXACT_ATTENTION)
 
 
 def needs_exact_verify(model: nn.Module) -> bool:
@@ -364,42 +209,8 @@ def remember_row_exact(table: dict[str, int]) -> None:
         _row_exact_rows.setdefault(entry, int(rows))
 
 
-class VerifyForwards:
-    """Which of one request's target forwards verify drafts (`active` while one runs): the row-exact linears
-    split those only, so a prefill of any length runs as plain decoding's."""
-
-    def __init__(self) -> None:
-        self.active = False
-
-
-#: The single request's `VerifyForwards` in this thread / task (set by `use_verify_kernels`).
-_verify_forwards: contextvars.ContextVar[VerifyForwards | None] = contextvars.ContextVar(
-    "hf_blockpilot_verify_forwards", default=None
-)
-
-
-def set_verifying(active: bool) -> None:
-    """Mark whether the target forward about to run (until the next call) verifies drafts."""
-    marker = _verify_forwards.get()
-    if marker is not None:
-        marker.active = active
-
-
-@contextmanager
-def verifying() -> Iterator[None]:
-    """The target forwards within the block verify drafts (see `set_verifying`)."""
-    marker = _verify_forwards.get()
-    before = marker.active if marker is not None else False
-    set_verifying(True)
-    try:
-        yield
-    finally:
-        set_verifying(before)
-
-
 def _in_verify_forward() -> bool:
-    marker = _verify_forwards.get()
-    return _slot_key_lengths.get() is not None or (marker is not None and marker.active)
+    return _slot_key_lengths.get() is not None
 
 
 def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.Tensor) -> torch.Tensor:
@@ -429,45 +240,17 @@ def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch
 
 
 def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None]:
-    """Make every plain `nn.Linear` of `model` whose weight does not round every row alike up to
-    `ROW_PROBE_LIMIT` rows compute a verify forward (a batch's within `slot_key_lengths`, a single request's while
-    `set_verifying`) as plain decoding's steps of `step_rows` rows compute it: in chunks no larger than
-    `row_exact_rows` of its weight where those steps fit in one such chunk (each row then rounds as it rounds
-    alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). Returns the function
-    that undoes it."""
+    """Make every plain `nn.Linear` of `model` whose weight does not round every row alike up to `ROW_PROBE_LIMIT` rows
+    compute a verify forward (within `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it: in
+    chunks no larger than `row_exact_rows` of its weight where those steps fit in one such chunk (each row then rounds
+    as it rounds alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). Returns the
+    function that undoes it."""
 
     def forward_for(module: nn.Linear) -> Callable | None:
         chunk = row_exact_rows(module.weight, module.bias)
         return partial(_row_exact_forward, module, chunk, step_rows) if chunk < ROW_PROBE_LIMIT else None
 
-    return _patch_linears([model], forward_for)
-
-
-def use_grouped_query_attention(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
-    """Switch the Transformers models among `models` that use SDPA attention to `grouped_query_attention` for
-    query lengths in `rows` (in this thread); returns the function that switches them back. Other models
-    (eager, flash, a drafter) are left alone."""
-    undo_switch = _switch_sdpa(models, GROUPED_QUERY_ATTENTION)
-    token = _attention_rows.set(frozenset(rows))
-
-    def undo() -> None:
-        _attention_rows.reset(token)
-        undo_switch()
-
-    return undo
-
-
-def use_cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Callable[[], None]:
-    """`use_skinny_linears` and `use_grouped_query_attention` on `models` for forwards over `rows` tokens;
-    returns the function that undoes both."""
-    undo_linears = use_skinny_linears(*models, rows=rows)
-    undo_attention = use_grouped_query_attention(*models, rows=rows)
-
-    def undo() -> None:
-        undo_attention()
-        undo_linears()
-
-    return undo
+    return _patch_linears(model, forward_for)
 
 
 def call_view(model: nn.Module) -> nn.Module:
@@ -496,42 +279,15 @@ def call_view(model: nn.Module) -> nn.Module:
     return view_of(model)
 
 
-def use_verify_kernels(
-    target: nn.Module, kernel_rows: Collection[int], unpadded: bool = True, batch_size: int = 1
-) -> tuple[nn.Module, Callable[[], None]]:
+def use_verify_kernels(target: nn.Module, batch_size: int = 1) -> tuple[nn.Module, Callable[[], None]]:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
-    same): the CPU verify kernels for `kernel_rows` (only where this machine's calibration found them both
-    exact and faster; a single request); else, on CPU (`needs_exact_verify`), the exact path: for an `unpadded`
-    single request `one_token_exact_attention` and row-exact linears in the forwards marked by `set_verifying`,
-    for a batch `slotwise_exact_attention` with `use_row_exact_linears`, so greedy output equals plain decoding
-    bit for bit; else the stock kernels. Returns the model to run the call with (`target`, or a `call_view` of it
-    with the kernels switched on, never `target` itself changed) and what ends the call's kernel settings."""
-    if batch_size > 1:
-        if not needs_exact_verify(target):
-            return target, lambda: None
-        view = call_view(target)
-        _switch_sdpa([view], SLOTWISE_EXACT_ATTENTION)
-        use_row_exact_linears(view, batch_size)
-        return view, lambda: None
-    if kernel_rows:
-        view = call_view(target)
-        return view, use_cpu_verify_kernels(view, rows=kernel_rows)  # resets the rows it serves in this context
-    if not (unpadded and needs_exact_verify(target)):
+    same): on CPU (`needs_exact_verify`) the exact path, `slotwise_exact_attention` with `use_row_exact_linears`
+    for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`, so greedy output equals plain
+    decoding bit for bit; elsewhere the stock kernels. Returns the model to run the call with (`target`, or a
+    `call_view` of it with the exact path switched on, never `target` itself changed) and what ends the call's
+    settings."""
+    if not needs_exact_verify(target):
         return target, lambda: None
     view = call_view(target)
-    use_one_token_exact_attention(view)
-    use_row_exact_linears(view, step_rows=1)
-    token = _verify_forwards.set(VerifyForwards())
-    return view, lambda: _verify_forwards.reset(token)
-
-
-@contextmanager
-def cpu_verify_kernels(*models: nn.Module, rows: Collection[int] = DEFAULT_ROWS) -> Iterator[None]:
-    """Within the block, `models` run forwards over `rows` tokens (default 2..`SKINNY_MAX_ROWS`) with
-    `skinny_linear` and `grouped_query_attention` (see the module docstring); other forwards (one-token steps,
-    prefills) and non-CPU tensors keep the stock kernels."""
-    undo = use_cpu_verify_kernels(*models, rows=rows)
-    try:
-        yield
-    finally:
-        undo()
+    _switch_sdpa([view], SLOTWISE_EXACT_ATTENTION)
+    return view, use_row_exact_linears(view, batch_size)

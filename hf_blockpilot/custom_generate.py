@@ -43,7 +43,6 @@ def generate(
     stream: BaseStreamer | None = None,
     prompt_lookup: bool | None = None,
     calibrate: bool | None = None,
-    cpu_kernels: bool = True,
     compile: bool | CompileConfig = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
@@ -55,8 +54,6 @@ def generate(
     - `prompt_lookup`: draft repeated text by lookup (default `drafter.prompt_lookup`);
     - `calibrate`: weigh this machine's measured costs, calibrating once if needed (default: on unless
       `HF_BLOCKPILOT_CALIBRATE=0`); off, the shipped fallback table;
-    - `cpu_kernels`: the CPU verify kernels the calibration found exact and faster (off: stock kernels; the
-      exact verify path stays).
     - `compile`: every target forward after the prefill runs `torch.compile`d (a `CompileConfig`, or True for
       `COMPILE_CONFIG`) over a static cache; decisions weigh the compiled forwards' own timings, and a warning
       says where they are probed not to round as plain decoding's steps. The first call pays the compilation.
@@ -85,11 +82,8 @@ def generate(
             compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
-    if compile:  # compiled stock forwards: no verify kernels, no exact path
-        view, end_kernels = model, lambda: None
-    else:
-        kernel_rows = controller.cost_model.kernel_rows if cpu_kernels else ()
-        view, end_kernels = use_verify_kernels(model, kernel_rows, unpadded, rows)
+    # compiled stock forwards take no exact path (a warning says where they round unlike plain steps)
+    view, end_kernels = (model, lambda: None) if compile else use_verify_kernels(model, rows)
     try:
         decoder = build_decoder(
             view,

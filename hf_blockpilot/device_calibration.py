@@ -1,11 +1,11 @@
 """Per-device calibration: what a speculative round costs on the machine `generate` runs on.
 
-Speed decisions (which CPU verify kernels to use, how wide to draft, how many drafts to verify, whether to
-speculate at all) are weighed against a `CostModel`. The first time a (device, dtype, thread count, target,
-drafter) pair decodes, `resolve_cost_model` times what those decisions need (target forwards over 1..max-width
-tokens at a realistic context, with and without the CPU verify kernels; the drafter per width; the sampling
-work) in a few seconds, and caches the result as JSON under the package cache, keyed by a fingerprint of the
-device (CPU model and its matmul flags, or GPU name and capability), torch version, threads, dtype and models.
+Speed decisions (how wide to draft, how many drafts to verify, whether to speculate at all) are weighed against a
+`CostModel`. The first time a (device, dtype, thread count, target, drafter) pair decodes, `resolve_cost_model` times
+what those decisions need (target forwards over 1..max-width tokens at a realistic context, verified as `generate`
+verifies; the drafter per width; the sampling work) in a few seconds, and caches the result as JSON under the package
+cache, keyed by a fingerprint of the device (CPU model and its matmul flags, or GPU name and capability), torch version,
+threads, dtype and models.
 Later runs read the cache (0 s); a damaged or mismatched entry is re-measured with one warning.
 
 Opt out with `HF_BLOCKPILOT_CALIBRATE=0` (the shipped tables are then used, named as fallbacks in
@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,24 +39,21 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
 from .cpu_kernels import (
-    DEFAULT_ROWS,
     remember_row_exact,
     row_exact_table,
     slot_key_lengths,
     use_verify_kernels,
-    verifying,
 )
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 5  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
-# 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot
+CALIBRATION_VERSION = 6  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+# 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
+# 6: the CPU verify kernels gone (one timing per width)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
-#: The CPU verify kernels serve a row count only where they measured at most this share of the stock time.
-KERNEL_MARGIN = 0.97
 #: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
 MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 CALIBRATE_ENV = "HF_BLOCKPILOT_CALIBRATE"
@@ -186,17 +183,14 @@ def timed(run: Callable[[], Any], device: torch.device | str) -> tuple[Any, floa
 class Calibration:
     """One device's measured costs for one target + drafter pair.
 
-    `stock_ms` / `kernel_ms`: a target forward over n tokens as `generate` verifies without the CPU verify
-    kernels (on CPU: the exact path) and with them (only where they were probed exact; empty off CPU);
-    `cost_model` takes the faster of the two per n, and its `kernel_rows` lists the row counts where the
-    kernels won by the margin. `row_exact`: this machine's `row_exact_rows` of the target's linear layers
-    (`cpu_kernels.row_exact_table`), so later processes skip that probe.
+    `target_ms`: a target forward over n tokens as `generate` verifies (on CPU: the exact path). `row_exact`:
+    this machine's `row_exact_rows` of the target's linear layers (`cpu_kernels.row_exact_table`), so later
+    processes skip that probe.
     """
 
     fingerprint: dict[str, Any]
     cost_model: CostModel
-    stock_ms: dict[int, float]
-    kernel_ms: dict[int, float] = field(default_factory=dict)
+    target_ms: dict[int, float]
     row_exact: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long measuring took
     from_cache: bool = field(default=False, compare=False)  # read from the cache rather than measured now
@@ -205,8 +199,7 @@ class Calibration:
         return {
             "fingerprint": self.fingerprint,
             "cost_model": self.cost_model.to_dict(),
-            "stock_ms": self.stock_ms,
-            "kernel_ms": self.kernel_ms,
+            "target_ms": self.target_ms,
             "row_exact": self.row_exact,
             "seconds": self.seconds,
         }
@@ -216,8 +209,7 @@ class Calibration:
         return cls(
             fingerprint=raw["fingerprint"],
             cost_model=CostModel.from_dict(raw["cost_model"]),
-            stock_ms={int(k): float(v) for k, v in raw["stock_ms"].items()},
-            kernel_ms={int(k): float(v) for k, v in raw["kernel_ms"].items()},
+            target_ms={int(k): float(v) for k, v in raw["target_ms"].items()},
             row_exact={key: int(rows) for key, rows in raw.get("row_exact", {}).items()},
             seconds=float(raw.get("seconds", 0.0)),
         )
@@ -225,14 +217,10 @@ class Calibration:
     def table(self) -> str:
         """The measured costs as a text table (plain steps = a one-token target forward)."""
         cost, plain = self.cost_model, self.cost_model.verify_ms(1)
-        lines = [f"{'n':>4} {'stock ms':>9} {'kernels ms':>11} {'used':>8} {'plain steps':>12} {'drafter ms':>11}"]
-        for n in sorted(self.stock_ms):
-            kernels = f"{self.kernel_ms[n]:11.2f}" if n in self.kernel_ms else f"{'-':>11}"
-            used = "kernels" if n in cost.kernel_rows else "stock"
+        lines = [f"{'n':>4} {'target ms':>10} {'plain steps':>12} {'drafter ms':>11}"]
+        for n in sorted(self.target_ms):
             drafter = f"{cost.draft_ms(n):11.2f}" if n > 1 else f"{'-':>11}"
-            lines.append(
-                f"{n:>4} {self.stock_ms[n]:9.2f} {kernels} {used:>8} {cost.verify_ms(n) / plain:12.2f} {drafter}"
-            )
+            lines.append(f"{n:>4} {self.target_ms[n]:10.2f} {cost.verify_ms(n) / plain:12.2f} {drafter}")
         lines.append(
             f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, "
             f"{cost.sampling_draw_ms:.2f} ms per draw"
@@ -288,7 +276,6 @@ def compiled_cost_model(
     return dataclasses.replace(
         cost,
         target_ms=ms,
-        kernel_rows=[],
         inexact_rows=inexact,
         source=f"{cost.source}; target forwards timed compiled",
     )
@@ -326,11 +313,9 @@ def _same_as_steps(
 
 
 @torch.inference_mode()
-def probe_exact_verify(
-    target: PreTrainedModel, widths: Iterable[int], kernel_rows: Collection[int] = (), context_tokens: int = 64
-) -> list[int]:
-    """The token counts among `widths` whose verify forward, run as `generate` runs it (`use_verify_kernels` with
-    `kernel_rows`), does NOT give every row the logits and cached keys/values that plain decoding's one-token
+def probe_exact_verify(target: PreTrainedModel, widths: Iterable[int], context_tokens: int = 64) -> list[int]:
+    """The token counts among `widths` whose verify forward, run as `generate` runs it (`use_verify_kernels`),
+    does NOT give every row the logits and cached keys/values that plain decoding's one-token
     steps give, bit for bit, after the same random `context_tokens`-token prefill. Empty: greedy speculative
     decoding is token-identical to plain `generate` here, in this dtype."""
     widths = sorted(n for n in set(widths) if n > 1)
@@ -339,10 +324,10 @@ def probe_exact_verify(
     ids, cache, steps, plain_cache = _plain_steps(target, context_tokens, max(widths))
     argument = cache_argument(target)
     inexact = []
-    model, undo = use_verify_kernels(target, kernel_rows)
+    model, undo = use_verify_kernels(target)
     try:
         for n in widths:
-            with verifying():
+            with slot_key_lengths([context_tokens], [n], masked=False):
                 logits = model(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
             if not _same_as_steps(logits, cache, steps, plain_cache, n):
                 inexact.append(n)
@@ -359,60 +344,47 @@ def calibrate(
     widths: Iterable[int] = DEFAULT_WIDTHS,
     context_tokens: int = 256,
     repeats: int = 5,
-    kernels: bool | None = None,
 ) -> Calibration:
     """Probe that verifies are exact here (`probe_exact_verify`), then time target forwards over each width's
-    token count as `generate` verifies (on CPU the exact path; also with the CPU verify kernels, where probed
-    exact, or everywhere with `kernels=True`; never with `kernels=False`), the drafter per width, and the
-    sampling work, over a `context_tokens`-long cached context.
-
-    The returned cost model uses, per row count, the faster variant; the kernels only where they took at
-    most `KERNEL_MARGIN` of the time without them.
-    """
+    token count as `generate` verifies (on CPU the exact path), the drafter per width, and the sampling work,
+    over a `context_tokens`-long cached context."""
     begin = time.perf_counter()
     widths = sorted(set(widths) | {1})
-    parameter = next(target.parameters())
-    device = parameter.device
+    device = next(target.parameters()).device
     inexact = probe_exact_verify(target, widths)
-    # the kernels serve only where they keep greedy output exact (they round unlike plain steps on the CPUs seen)
-    try_kernels = device.type == "cpu" if kernels is None else kernels
-    with_kernels = [n for n in widths if n > 1] if try_kernels else []
-    if with_kernels and kernels is None:
-        with_kernels = [n for n in with_kernels if n not in probe_exact_verify(target, widths, with_kernels)]
     verify, others = _timed_forwards(target, drafter, widths, context_tokens)
-    calls = (repeats + 1) * (len(widths) + len(others) + len(with_kernels))
-    name = describe_device(device)["name"]
-    with tqdm(
-        total=calls, desc=f"hf-blockpilot: calibrating on {name}", unit="forward", leave=False, mininterval=1.0
-    ) as bar:
-        # each phase verifies as `generate` would with those kernel rows (`use_verify_kernels`); switching
-        # takes milliseconds, kept out of the timings
-        phases = [("stock", widths, [])] + ([("kernels", with_kernels, with_kernels)] if with_kernels else [])
-        ms: dict[Any, float] = {}
-        for phase, counts, rows in phases:
-            model, undo = use_verify_kernels(target, rows)
-            try:
-                fns = {(phase, n): verify(n, model) for n in counts} | (others if phase == "stock" else {})
-                ms |= interleaved_median_ms(fns, repeats, device, bar)
-            finally:
-                undo()
-    stock = {n: ms[("stock", n)] for n in widths}
-    kernel = {n: ms[("kernels", n)] for n in with_kernels}
-    kernel_rows = [n for n in with_kernels if kernel[n] <= KERNEL_MARGIN * stock[n]]
+    model, undo = use_verify_kernels(target)  # switching takes milliseconds, kept out of the timings
+    try:
+        ms = _measured({("target", n): verify(n, model) for n in widths} | others, repeats, device)
+    finally:
+        undo()
+    stock = {n: ms[("target", n)] for n in widths}
     fingerprint = device_fingerprint(target, drafter)
     cost = CostModel(
-        target_ms={n: kernel[n] if n in kernel_rows else stock[n] for n in widths},
+        target_ms=stock,
         drafter_ms={n: ms[("drafter", n)] for n in widths if n > 1},
         device=str(device),
         context_tokens=context_tokens,
         sampling_process_ms=ms["sampling_process"],
         sampling_draw_ms=ms["sampling_draw"],
-        kernel_rows=kernel_rows,
-        inexact_rows=[n for n in inexact if n not in kernel_rows],
+        inexact_rows=inexact,
         source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
     )
     row_exact = row_exact_table(target) if device.type == "cpu" else {}
-    return Calibration(fingerprint, cost, stock, kernel, row_exact, time.perf_counter() - begin)
+    return Calibration(fingerprint, cost, stock, row_exact, time.perf_counter() - begin)
+
+
+def _measured(fns: dict[Any, Callable[[], Any]], repeats: int, device: torch.device, what: str = "") -> dict:
+    """`interleaved_median_ms` of `fns` with a progress bar."""
+    name = describe_device(device)["name"]
+    with tqdm(
+        total=(repeats + 1) * len(fns),
+        desc=f"hf-blockpilot: calibrating {what}on {name}",
+        unit="forward",
+        leave=False,
+        mininterval=1.0,
+    ) as bar:
+        return interleaved_median_ms(fns, repeats, device, bar)
 
 
 @torch.inference_mode()
@@ -425,33 +397,15 @@ def calibrate_batch(
     repeats: int = 3,
 ) -> tuple[dict[int, float], dict[int, float]]:
     """The batch axis of the cost model at `batch_size` rows: (target ms per n tokens a row, drafter ms per
-    block of b slots a row), each row after its own `context_tokens`-long cached context, verified with the kernels
-    a batched `generate` verifies with (`use_verify_kernels`: exact per-row slots in half precision on CPU)."""
+    block of b slots a row), each row after its own `context_tokens`-long cached context, verified as a batched
+    `generate` verifies (`use_verify_kernels`: on CPU the exact path)."""
     widths = sorted(set(widths) | {1})
     verify, others = _timed_forwards(target, drafter, widths, context_tokens, batch_size)
 
-    model, undo = use_verify_kernels(target, [], batch_size=batch_size)
-
-    def as_batched(n: int) -> Callable[[], None]:  # verified as a batched `generate` verifies (exact where needed)
-        run = verify(n, model)
-
-        def batched() -> None:
-            with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):
-                run()
-
-        return batched
-
-    fns = {("target", n): as_batched(n) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
-    name = describe_device(next(target.parameters()).device)["name"]
+    model, undo = use_verify_kernels(target, batch_size=batch_size)
     try:
-        with tqdm(
-            total=(repeats + 1) * len(fns),
-            desc=f"hf-blockpilot: calibrating batch {batch_size} on {name}",
-            unit="forward",
-            leave=False,
-            mininterval=1.0,
-        ) as bar:
-            ms = interleaved_median_ms(fns, repeats, next(target.parameters()).device, bar)
+        fns = {("target", n): verify(n, model) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
+        ms = _measured(fns, repeats, next(target.parameters()).device, f"batch {batch_size} ")
     finally:
         undo()
     return {n: ms[("target", n)] for n in widths}, {n: ms[("drafter", n)] for n in widths if n > 1}
@@ -478,7 +432,7 @@ def _timed_forwards(
         block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
 
         def run() -> None:
-            with verifying():  # as generate's verify forwards (the row-exact linears split those only)
+            with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):  # as generate's
                 model(block, **with_prefix, output_hidden_states=True)
             prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
 
@@ -500,7 +454,7 @@ def _timed_forwards(
                 cache=cache,
             ).last_hidden_state
             # contiguous, as generate hands it over (a strided bfloat16 input sends F.linear down a slow path)
-            drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias, DEFAULT_ROWS).argmax(-1)
+            drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias).argmax(-1)
 
         return run
 
@@ -610,7 +564,7 @@ def load_or_calibrate(
                 problem = "was measured for another device, dtype or model"
             elif max(calibration.cost_model.target_ms) < max_width:
                 problem = f"does not reach width {max_width}"
-                widths = sorted(set(widths) | set(calibration.stock_ms))
+                widths = sorted(set(widths) | set(calibration.target_ms))
             else:
                 calibration.from_cache = True
                 remember_row_exact(calibration.row_exact)
@@ -622,9 +576,7 @@ def load_or_calibrate(
         "hf-blockpilot: calibrating %s on %s (%s), once; cached at %s",
         fingerprint["dtype"],
         fingerprint["name"],
-        "exact verify path probed, CPU verify kernels timed where exact"
-        if fingerprint["device"] == "cpu"
-        else fingerprint["device"],
+        "exact verify path probed and timed" if fingerprint["device"] == "cpu" else fingerprint["device"],
         path,
     )
     calibration = calibrate(target, drafter, widths)

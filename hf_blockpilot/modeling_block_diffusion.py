@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextvars
 import os
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ from ._compat import tensor_version
 from .attention import draft_attention_mask, grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .controllers import check_block_size
-from .cpu_kernels import skinny_linear
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -486,13 +485,10 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         scale = self.config.input_embedding_scale
         return embeds if scale == 1.0 else embeds * scale
 
-    def head_logits(
-        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: Collection[int] = ()
-    ) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Float draft-vocabulary logits of drafted slots' `hidden` states through the target's head (`draft_head`'s
-        `weight` / `bias`, which may sit on another device), finished (`finish_logits`); `skinny_linear` for the
-        row counts in `rows` (a request's calibrated kernel rows)."""
-        logits = skinny_linear(hidden.to(weight.device, weight.dtype), weight, bias, rows)
+        `weight` / `bias`, which may sit on another device), finished (`finish_logits`)."""
+        logits = F.linear(hidden.to(weight.device, weight.dtype), weight, bias)
         return self.finish_logits(logits.float())
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,7 @@ def test_compiled_cost_model_times_each_width_and_flags_one_that_rounds_unlike_p
     cost = compiled_cost_model(target, perturbed, shipped, max_width=4, capacity=CAPACITY_STEP, repeats=1)
     assert sorted(cost.target_ms) == [1, 2, 3, 4]  # widths past the call's widest are not compiled for it
     assert all(ms > 0 for ms in cost.target_ms.values()) and cost.target_ms != shipped.target_ms
-    assert {3, 4} <= set(cost.inexact_rows) and cost.kernel_rows == []
+    assert {3, 4} <= set(cost.inexact_rows)
     assert "compiled" in cost.source and cost.drafter_ms == shipped.drafter_ms
     again = compiled_cost_model(target, perturbed, dataclasses.replace(shipped), 4, CAPACITY_STEP, repeats=1)
     assert again.target_ms == cost.target_ms  # measured once per target and shapes

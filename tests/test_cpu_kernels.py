@@ -1,5 +1,6 @@
-"""CPU verify kernels: `skinny_linear(s)` and `grouped_query_attention` give the stock numbers, take their fast
-paths exactly where meant, are undone on exit, and leave decoding lossless."""
+"""The exact verify path on CPU: verify forwards round as plain decoding's one-token steps, in every dtype, on
+whatever CPU runs the tests (probed, and a simulated kernel that rounds unlike one row is caught), and a call's
+path is its own."""
 
 from __future__ import annotations
 
@@ -10,95 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_drafter, make_target
-from torch import nn
 from transformers import DynamicCache
 
-from hf_blockpilot import DraftController, cpu_kernels, cpu_verify_kernels
+from hf_blockpilot import DraftController, cpu_kernels
 from hf_blockpilot._compat import cache_argument
-from hf_blockpilot.cpu_kernels import skinny_linear, skinny_linears, use_skinny_linears
-
-
-@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 5, 24), (3, 4, 24), (32, 24), (40, 24), (0, 24)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_linear_matches_linear(shape, with_bias):
-    gen = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(*shape, generator=gen), torch.randn(17, 24, generator=gen)
-    bias = torch.randn(17, generator=gen) if with_bias else None
-    got = skinny_linear(x, weight, bias)
-    assert got.shape == (*shape[:-1], 17)
-    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-
-
-def test_few_rows_take_the_transposed_product_and_others_keep_linear(monkeypatch):
-    calls = []
-    real = F.linear
-    monkeypatch.setattr(cpu_kernels.F, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    weight = torch.randn(8, 6)
-    for rows in (1, 2, 7, 32, 33):
-        skinny_linear(torch.randn(1, rows, 6), weight)
-    assert calls == [(1, 1, 6), (1, 33, 6)]  # one row and more than 32: F.linear; 2..32: W @ x.T
-    skinny_linear(torch.randn(1, 7, 6), weight, rows={2, 3, 4})  # rows switched off keep F.linear
-    assert calls[-1] == (1, 7, 6)
-    skinny_linear(torch.randn(1, 3, 6), weight, rows={2, 3, 4})
-    assert len(calls) == 3
-    skinny_linear(torch.randn(1, 5, 6, dtype=torch.bfloat16), weight.bfloat16())  # bf16: the stock kernel is faster
-    assert calls[-1] == (1, 5, 6) and len(calls) == 4
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-        self.special = nn.modules.linear.NonDynamicallyQuantizableLinear(6, 6)  # a subclass: left alone
-
-
-def test_patching_only_plain_linears_and_undoing_it():
-    net = _Net()
-    hooked = lambda x: x  # noqa: E731  (stands in for an accelerate hook's instance-level forward)
-    net.b.forward = hooked
-    with skinny_linears(net):
-        assert "forward" in net.a.__dict__ and net.b.forward is hooked and "forward" not in net.special.__dict__
-        with skinny_linears(net):  # nesting keeps the outer patch
-            pass
-        assert "forward" in net.a.__dict__
-        x = torch.randn(3, 6)
-        torch.testing.assert_close(net.a(x), F.linear(x, net.a.weight, net.a.bias))
-    assert "forward" not in net.a.__dict__ and net.b.forward is hooked
-    undo = use_skinny_linears(net)
-    assert "forward" in net.a.__dict__
-    undo()
-    assert "forward" not in net.a.__dict__
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_grouped_query_attention_matches_stock_sdpa_and_takes_its_path_only_for_masked_few_tokens(family, monkeypatch):
-    target = make_target(family, vocab_size=48, hidden_size=64, seed=1)  # 4 query heads over 2 key/value heads
-    calls = []
-    stock = cpu_kernels.sdpa_attention_forward
-    monkeypatch.setattr(
-        cpu_kernels, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or stock(*a, **k)
-    )
-    gen = torch.Generator().manual_seed(2)
-    prompt, block = torch.randint(3, 48, (1, 20), generator=gen), torch.randint(3, 48, (1, 5), generator=gen)
-    with torch.no_grad():
-        cache = DynamicCache()
-        with_cache = {cache_argument(target): cache}
-        target(prompt, **with_cache)
-        expected = target(block, **with_cache).logits
-        cache.crop(-5)
-        one_token = target(block[:, :1], **with_cache).logits
-        cache.crop(-1)
-        with cpu_verify_kernels(target):
-            assert target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
-            assert target(block[:, :1], **with_cache).logits.equal(one_token)  # one token: stock path
-            cache.crop(-1)
-            calls.clear()
-            got = target(block, **with_cache).logits
-            assert calls == []  # 5 masked queries: grouped path in every layer
-            target(prompt)
-            assert calls == [20] * target.config.num_hidden_layers  # a causal prefill (no mask): stock path
-    assert target.config._attn_implementation == "sdpa"
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -109,32 +25,6 @@ def test_cache_argument_is_the_one_the_installed_transformers_fills_without_depr
         warnings.simplefilter("error", FutureWarning)  # 5.24+ deprecates `past_key_values`
         target(torch.randint(3, 48, (1, 7)), **{cache_argument(target): cache})
     assert cache.get_seq_length() == 7  # a name the model ignores would leave it empty
-
-
-def test_cpu_verify_kernels_leave_drafters_and_non_sdpa_models_alone():
-    target = make_target("llama", vocab_size=48, hidden_size=64, seed=3)
-    eager = make_target("llama", vocab_size=48, hidden_size=64, seed=3)
-    eager.set_attn_implementation("eager")
-    drafter = make_drafter(target)
-    before = drafter.config._attn_implementation
-    with cpu_verify_kernels(target, eager, drafter):
-        assert target.config._attn_implementation == cpu_kernels.GROUPED_QUERY_ATTENTION
-        assert eager.config._attn_implementation == "eager" and drafter.config._attn_implementation == before
-        assert "forward" in drafter.fc.__dict__  # the drafter's linears are patched
-    assert target.config._attn_implementation == "sdpa" and "forward" not in drafter.fc.__dict__
-
-
-@pytest.mark.parametrize("kernels", [skinny_linears, cpu_verify_kernels])
-def test_greedy_speculative_output_unchanged_under_cpu_kernels(kernels):
-    target = make_target("llama", vocab_size=48, hidden_size=64, seed=3)
-    for case, block_size in enumerate((2, 5, 16)):
-        drafter = make_drafter(target, seed=case, block_size=block_size)
-        prompt = torch.randint(3, 48, (1, 9 + case), generator=torch.Generator().manual_seed(case))
-        kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
-        expected = target.generate(prompt, **kwargs)
-        with kernels(target, drafter):
-            assert torch.equal(target.generate(prompt, **kwargs), expected)
-            assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,14 +42,14 @@ def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtyp
         target(prompt, **{argument: steps_cache})
         target(prompt, **{argument: block_cache})
         steps = torch.cat([target(block[:, i : i + 1], **{argument: steps_cache}).logits for i in range(6)], 1)
-        model, undo = cpu_kernels.use_verify_kernels(target, [])
+        model, undo = cpu_kernels.use_verify_kernels(target)
         try:
-            assert model.config._attn_implementation == cpu_kernels.ONE_TOKEN_EXACT_ATTENTION
+            assert model.config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
             assert any("forward" in module.__dict__ for module in model.modules())
             # the call's own view: the shared model is untouched while it runs
             assert target.config._attn_implementation == "sdpa"
             assert not any("forward" in module.__dict__ for module in target.modules())
-            with cpu_kernels.verifying():
+            with cpu_kernels.slot_key_lengths([30], [6], masked=False):  # 30 cached, 6 verified
                 verified = model(block, **{argument: block_cache}).logits
             prefill = model(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
         finally:
@@ -253,18 +143,18 @@ def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypa
         assert torch.equal(out, plain), case
 
 
-def test_a_calls_kernels_are_its_own_while_another_thread_decodes_plain_on_the_same_model():
-    """Two threads share one model object: one decodes plain, one speculatively with every CPU kernel on (the
-    skinny linears and grouped attention for 2..8 rows, as a calibration that found them exact would switch on),
-    50 times each. Each output equals its single-thread output every time, and the plain thread never sees the
-    shared model changed: the kernels live in the speculative call's own view of the model."""
+def test_a_calls_exact_path_is_its_own_while_another_thread_decodes_plain_on_the_same_model():
+    """Two threads share one model object: one decodes plain, one speculatively on the exact verify path (its
+    attention implementation switched and its linears split, in the call's view), 50 times each. Each output
+    equals its single-thread output every time, and the plain thread never sees the shared model changed: the
+    path lives in the speculative call's own view of the model."""
     import threading
 
     from hf_blockpilot import AdaptiveVerify, CostModel
 
     target = make_target("llama", vocab_size=48, hidden_size=64, seed=7)
     drafter = make_drafter(target, block_size=6, seed=7, scale=4.0)
-    kernels = CostModel(target_ms={1: 1.0, 8: 1.0}, drafter_ms={8: 0.1}, kernel_rows=list(range(2, 9)))
+    kernels = CostModel(target_ms={1: 1.0, 8: 1.0}, drafter_ms={8: 0.1})
     prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(7))
 
     def plain() -> torch.Tensor:

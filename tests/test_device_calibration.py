@@ -44,36 +44,18 @@ def pair(seed: int = 0):
     return target, make_drafter(target, block_size=4, seed=seed)
 
 
-def test_calibrate_times_every_width_both_kernel_variants_and_sampling():
+def test_calibrate_times_every_width_and_sampling():
     target, drafter = pair()
-    calibration = calibrate(target, drafter, [1, 2, 4], context_tokens=16, repeats=2, kernels=True)
+    calibration = calibrate(target, drafter, [1, 2, 4], context_tokens=16, repeats=2)
     cost = calibration.cost_model
-    assert set(calibration.stock_ms) == {1, 2, 4} and set(calibration.kernel_ms) == {2, 4}
-    assert set(cost.target_ms) == {1, 2, 4} and set(cost.drafter_ms) == {2, 4}
+    assert calibration.target_ms == cost.target_ms and set(cost.target_ms) == {1, 2, 4}
+    assert set(cost.drafter_ms) == {2, 4} and cost.inexact_rows == []  # the exact path, probed
     assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
-    for n in (2, 4):  # the cost of n tokens is the variant that serves n
-        chosen = calibration.kernel_ms[n] if n in cost.kernel_rows else calibration.stock_ms[n]
-        assert cost.target_ms[n] == chosen
     assert cost.sampling_process_ms > 0 and cost.sampling_draw_ms > 0
     assert cost.source.startswith("calibrated on ") and "float32" in cost.source
     sampled = 7 * cost.sampling_process_ms + 4 * cost.sampling_draw_ms
     assert cost.round_ms(4, temperature=1.0) == pytest.approx(cost.round_ms(4) + sampled)
-    assert "kernels ms" in calibration.table()
-
-
-@pytest.mark.parametrize("kernel_factor, expected_rows", [(1.5, []), (0.99, []), (0.5, [2, 4])])
-def test_kernels_serve_only_row_counts_where_they_measured_faster(monkeypatch, kernel_factor, expected_rows):
-    def injected(fns, repeats, device, progress=None):
-        return {
-            key: (kernel_factor * 10.0 if key[0] == "kernels" else 10.0) if isinstance(key, tuple) else 1.0
-            for key in fns
-        }
-
-    monkeypatch.setattr(device_calibration, "interleaved_median_ms", injected)
-    target, drafter = pair()
-    cost = calibrate(target, drafter, [1, 2, 4], context_tokens=8, kernels=True).cost_model
-    assert cost.kernel_rows == expected_rows
-    assert cost.target_ms[4] == (5.0 if expected_rows else 10.0)
+    assert "plain steps" in calibration.table() and len(calibration.table().splitlines()) == 5
 
 
 def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
@@ -197,35 +179,17 @@ def test_opting_out_or_passing_costs_skips_calibration(calibrating, monkeypatch)
     assert drafter.last_stats.cost_model_source == "mine" and calibrating == []
 
 
-def test_generate_calibrates_on_first_use_and_switches_kernels_on_only_for_measured_rows(calibrating, monkeypatch):
+def test_generate_calibrates_on_first_use_and_verifies_on_the_exact_path(calibrating, monkeypatch):
     target, drafter = pair()
-    switched = []
-    real = cpu_kernels.use_cpu_verify_kernels
-    monkeypatch.setattr(
-        cpu_kernels,
-        "use_cpu_verify_kernels",
-        lambda *models, rows: switched.append(sorted(rows)) or real(*models, rows=rows),
-    )
+    views = []
+    real = cpu_kernels.call_view
+    monkeypatch.setattr(cpu_kernels, "call_view", lambda model: views.append(real(model)) or views[-1])
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     plain = greedy_generate(target, prompt, 12, None)
     out = greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
     assert torch.equal(out, plain) and len(calibrating) == 1
     assert drafter.last_stats.cost_model_source.startswith("calibrated on")
-    cost = resolve_cost_model(target, drafter)
-    timed_with_kernels = [n for n in device_calibration.DEFAULT_WIDTHS if n > 1]
-    # calibration probed the kernels' exactness over every width, and timed them only where they were exact
-    assert switched[0] == timed_with_kernels and set(cost.kernel_rows) <= set(switched[-1])
-    switched.clear()
-    greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
-    assert switched == ([cost.kernel_rows] if cost.kernel_rows else [])
-    for rows in ([3], []):
-        cost = CostModel(target_ms={1: 1.0, 4: 1.0}, drafter_ms={4: 0.1}, kernel_rows=rows)
-        controller = AdaptiveVerify(4, cost_model=cost)
-        switched.clear()
-        assert torch.equal(
-            greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=controller), plain
-        )
-        assert switched == ([rows] if rows else [])
+    assert views and views[-1].config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
     assert target.config._attn_implementation == "sdpa"  # switched back after the call
 
 

@@ -277,8 +277,8 @@ def test_each_call_returns_its_own_statistics_also_from_concurrent_threads():
 
 
 def test_settings_travel_with_the_call_and_leave_the_drafter_unchanged(target, monkeypatch):
-    """`prompt_lookup`, `calibrate` and `cpu_kernels` are this call's: the drafter's attribute and the environment
-    are only their defaults."""
+    """`prompt_lookup` and `calibrate` are this call's: the drafter's attribute and the environment are only their
+    defaults."""
     import hf_blockpilot.custom_generate as custom_generate_module
     from hf_blockpilot.costs import CostModel
 
@@ -286,22 +286,12 @@ def test_settings_travel_with_the_call_and_leave_the_drafter_unchanged(target, m
     expected = _gen(target, prompt)
     drafter = make_drafter(target, block_size=4)
     assert not drafter.prompt_lookup
-    seen_rows = []
-    use = custom_generate_module.use_verify_kernels
-    monkeypatch.setattr(
-        custom_generate_module,
-        "use_verify_kernels",
-        lambda model, rows, *args: seen_rows.append(tuple(rows)) or use(model, rows, *args),
-    )
-    kernels = CostModel(target_ms={1: 10.0, 4: 11.0}, drafter_ms={4: 1.0}, kernel_rows=[2, 3, 4])
     controller = DraftController(4)
-    controller.use_cost_model(kernels)
+    controller.use_cost_model(CostModel(target_ms={1: 10.0, 4: 11.0}, drafter_ms={4: 1.0}))
     out = _gen(target, prompt, assistant_model=drafter, prompt_lookup=True, draft_controller=controller)
     assert torch.equal(out, expected) and drafter.last_stats.lookup_rounds > 0 and not drafter.prompt_lookup
     assert _gen(target, prompt, assistant_model=drafter).shape == expected.shape
     assert drafter.last_stats.lookup_rounds == 0  # the next call takes the drafter's default again
-    _gen(target, prompt, assistant_model=drafter, draft_controller=controller, cpu_kernels=False)
-    assert seen_rows[0] == (2, 3, 4) and seen_rows[2] == ()
     monkeypatch.setenv("HF_BLOCKPILOT_CALIBRATE", "1")  # on by default, off for this call: no calibration runs
     monkeypatch.setattr(custom_generate_module, "resolve_cost_model", _refuse_calibration(custom_generate_module))
     assert torch.equal(_gen(target, prompt, assistant_model=drafter, calibrate=False), expected)

@@ -14,7 +14,6 @@ from conftest import (
     make_windowed_drafter,
 )
 
-import hf_blockpilot
 from hf_blockpilot import AdaptiveVerify
 from hf_blockpilot.costs import CostModel
 
@@ -103,9 +102,9 @@ def test_block_size_setter_and_other_sizes(family):
         )  # prefill commits 1, one slot stays for the bonus
 
 
-def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_controller(built_decoders):
+def test_sliding_window_drafter_with_prompt_lookup_policy_and_controller(built_decoders):
     """A drafter with a causal sliding-window layer (window 3) and a full one, over contexts far longer than the
-    window: identical to plain `generate` under the CPU verify kernels, with and without prompt lookup, under a
+    window: identical to plain `generate`, with and without prompt lookup, under a
     policy and under the per-round controller; its context cache dropped what the window no longer reaches."""
     from test_policy import make_policy
 
@@ -125,10 +124,7 @@ def test_sliding_window_drafter_with_the_kernels_prompt_lookup_policy_and_contro
                     make_policy(target, drafter, (3, 6), prompt_lookup=lookup) if control == "policy" else None
                 )
                 controller = AdaptiveVerify(6, cost_model=cost) if control == "controller" else None
-                with hf_blockpilot.cpu_verify_kernels(target, drafter):
-                    got = greedy_generate(
-                        target, prompt, 90, None, assistant_model=drafter, draft_controller=controller
-                    )
+                got = greedy_generate(target, prompt, 90, None, assistant_model=drafter, draft_controller=controller)
                 assert torch.equal(got, expected), (seed, control, lookup)
                 cache = built_decoders[-1].draft_cache
                 assert cache._dropped[0] > 0 and cache._dropped[1] == 0  # only the sliding layer drops

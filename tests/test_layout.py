@@ -20,7 +20,7 @@ def test_importing_the_core_loads_no_tooling():
 
 def test_the_public_api_is_what_users_need_and_moved_names_warn():
     import hf_blockpilot
-    from hf_blockpilot import controllers, cpu_kernels
+    from hf_blockpilot import controllers
 
     exported = set(hf_blockpilot.__all__)
     assert {
@@ -32,13 +32,9 @@ def test_the_public_api_is_what_users_need_and_moved_names_warn():
         "BlockPilotPolicy",
         "CostModel",
         "SpeculationStats",
-        "cpu_verify_kernels",
     } <= exported
-    assert not {"skinny_linear", "use_skinny_linears", "grouped_query_attention"} & exported
     assert len(exported) <= 18  # building blocks live in their modules (hf_blockpilot.controllers, .policy, .stats)
     assert all(getattr(hf_blockpilot, name) is not None for name in exported)
-    with pytest.warns(DeprecationWarning, match="hf_blockpilot.cpu_kernels"):
-        assert hf_blockpilot.skinny_linear is cpu_kernels.skinny_linear
     with pytest.warns(DeprecationWarning, match="import it from hf_blockpilot.controllers"):
         assert hf_blockpilot.DraftedRound is controllers.DraftedRound
     with pytest.raises(AttributeError, match="no_such_name"):

@@ -134,10 +134,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{fingerprint['dtype']}, {fingerprint['threads']} threads, torch {fingerprint['torch']}"
     )
     print(calibration.table())
-    kernels = calibration.cost_model.kernel_rows
-    print(
-        f"CPU verify kernels: {'on for ' + str(kernels) + ' tokens' if kernels else 'off (stock is as fast or faster)'}"
-    )
+    inexact = calibration.cost_model.inexact_rows
+    print(f"verify forwards probed exact: {'no, over ' + str(inexact) + ' tokens' if inexact else 'yes, every width'}")
     how = "read from the cache" if calibration.from_cache else f"measured in {calibration.seconds:.1f} s"
     print(f"{how}: {calibration_path(fingerprint)}")
     return 0

@@ -31,8 +31,7 @@ T = TypeVar("T")
 
 
 def timed_call(run: Callable[[], T], target: nn.Module) -> tuple[T, float]:
-    """`run()` with wall time (the target's device synchronised). Plain and speculative `generate` are timed
-    alike: the CPU verify kernels are `generate`'s own choice, from this machine's calibration."""
+    """`run()` with wall time (the target's device synchronised), plain and speculative `generate` alike."""
     return timed(run, next(target.parameters()).device)
 
 
