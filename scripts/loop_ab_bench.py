@@ -33,11 +33,12 @@ def import_old(tree: Path):
 
 
 def decode(target, ids, config: tuple, gen: dict) -> torch.Tensor:
-    """`config`: (the `generate` to call, the drafter or None, the draft controller)."""
-    entry, drafter, controller = config
-    if drafter is None:
-        return entry(target, ids, **gen)
-    return entry(target, ids, assistant_model=drafter, draft_controller=controller, **gen)
+    """`config`: (the package's `custom_generate` loop, or None for plain `generate`; the drafter; the draft
+    controller). Each package's loop is called through Transformers' seam, so neither routes the other's calls."""
+    loop, drafter, controller = config
+    if loop is None:
+        return target.generate(ids, **gen)
+    return target.generate(ids, custom_generate=loop, drafter=drafter, draft_controller=controller, **gen)
 
 
 def main() -> int:
@@ -71,9 +72,8 @@ def main() -> int:
             drafter.set_policy(loading.resolve_policy("default", prompt_lookup=False))
             pairs[name] = drafter
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-        # each package's own entry: the old wrapper sees the old drafter class, the newest wrapper the new one
-        entries = {"old": old.candidate_generator._generate, "new": type(target).generate}
-        configs = {"plain": (type(target).generate, None, None)}
+        entries = {"old": old.generate, "new": new.generate}
+        configs = {"plain": (None, None, None)}
         for name, drafter in pairs.items():
             for label, controller in [("default", None)] + [(f"b={b}", b) for b in args.block_sizes]:
                 configs[f"{name} {label}"] = (entries[name], drafter, controller)
