@@ -107,6 +107,38 @@ def test_row_exact_linears_round_every_row_as_it_rounds_alone():
         assert all("forward" not in layer.__dict__ for layer in model)  # undone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_padded_single_row_verifies_on_the_exact_path(dtype, monkeypatch):
+    """One left-padded row (plain decoding passes its mask) verifies on the call's exact view, slot by slot with
+    the row's mask, as a batch does (it once took the stock kernels), and stays plain `generate`'s."""
+    import hf_blockpilot.custom_generate as custom_generate_module
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=4).to(dtype)
+    drafter = make_drafter(target, block_size=5, seed=4, scale=4.0).to(dtype)
+    views = []
+    real = custom_generate_module.use_verify_kernels
+
+    def recording(*args):
+        view, end = real(*args)
+        views.append(view)
+        return view, end
+
+    monkeypatch.setattr(custom_generate_module, "use_verify_kernels", recording)
+    accepted = 0
+    for case in range(4):
+        prompt = torch.randint(3, 48, (1, 6 + 4 * case), generator=torch.Generator().manual_seed(case))
+        ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], 1)
+        mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(prompt)], 1)
+        kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        plain = target.generate(ids, **kwargs)
+        out = target.generate(ids, assistant_model=drafter, draft_controller=DraftController(5), **kwargs)
+        assert torch.equal(out, plain), case
+        assert views[-1] is not target
+        assert views[-1].config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
+        accepted += sum(drafter.last_stats.accepted_per_round)
+    assert accepted > 0
+
+
 def _rounds_unlike_one_row(real: Callable) -> Callable:
     """`F.linear` as a CPU whose several-row kernel rounds unlike its one-row kernel: one ulp up."""
 
