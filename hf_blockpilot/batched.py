@@ -398,6 +398,7 @@ class BatchedSpeculativeDecoder:
             host_syncs=1,
         )
         self.finished: list[torch.Tensor] = [torch.empty(0)] * len(self.rows)
+        self.plan: RaggedCache | None = None  # the cache's layout, from the prefill on
         self.positions = self.prompt_mask.cumsum(-1) - 1  # as plain generate: positions count real tokens only
         self.draft_cache = DraftContextCache()
         self.context_valid = self.prompt_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
@@ -687,13 +688,14 @@ class BatchedSpeculativeDecoder:
         compiled: Callable[..., Any] | None = None,
     ) -> Any:
         """One target forward; `keep_states`: return the hidden states the drafter reads (the call's own request
-        for them is always served). A single row's plain steps that return no hidden states or attentions are plain
-        decoding's own forwards, so `plain_target` (the stock model, not the call's verify-kernel view) runs them;
-        the rest run the view, where the hooks Transformers attaches to capture outputs stay; or `compiled`."""
+        for them is always served). Plain steps that return no hidden states or attentions, of a single row or of a
+        batch in lockstep (`_in_lockstep`), are plain decoding's own forwards, so `plain_target` (the stock model,
+        not the call's exact-path view) runs them; the rest run the view, where the hooks Transformers attaches to
+        capture outputs stay; or `compiled`."""
         wanted = keep_states or self.config.output_hidden_states or compiled is not None  # compiled: one graph a shape
         states = self.hidden_states_to_keep if wanted else False
         attentions = {"output_attentions": True} if self.config.output_attentions else {}
-        stock = self.single and ids.shape[1] == 1 and not states and not attentions
+        stock = ids.shape[1] == 1 and not states and not attentions and (self.single or self._in_lockstep())
         model = compiled or (self.plain_target if stock else self.target)
         outputs = model(
             input_ids=ids,
@@ -709,6 +711,14 @@ class BatchedSpeculativeDecoder:
         for row in self.rows:
             row.stats.target_forwards += 1
         return outputs
+
+    def _in_lockstep(self) -> bool:
+        """Whether every row of the batch is still in it and holds as many keys as the others: a one-token step is
+        then one product of all the batch's rows and one attention call over keys none of which trail masked,
+        exactly as plain batched decoding computes it (after a row leaves, the view pads products to the batch's
+        first row count, `_as_plain_steps`)."""
+        plan = self.plan
+        return plan is not None and len(self.rows) == self.stats.batch_size and len(set(plan.host_lengths)) == 1
 
     def _process(self, logits: torch.Tensor, block: torch.Tensor | None = None) -> torch.Tensor:
         """The logits processors on (rows, slots, V) logits: at once where they read only the scores, else row by

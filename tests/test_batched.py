@@ -502,6 +502,45 @@ def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
     assert not all(run_cases(6))  # the stock path: the simulated rounding shows
 
 
+def test_plain_steps_of_a_batch_take_the_stock_model_only_in_lockstep(monkeypatch):
+    """CPU-independent: a batch that decodes plain (width 1) runs its one-token steps on the stock model while every
+    row is still in it (one product of all B rows, as plain batched decoding), then on the exact view, whose
+    products keep B rows after rows leave; under a kernel that rounds by row count, rows stay plain batched
+    `generate`'s. Negative control: the stock model after a row has left computes smaller products."""
+    from torch.nn import functional
+
+    from hf_blockpilot import cpu_kernels
+
+    batch = 4
+    monkeypatch.setattr(functional, "linear", _rounds_by_row_count(functional.linear, batch))
+    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=8)
+    drafter = make_drafter(target, block_size=4)
+
+    def plain_decoding() -> SpeculationGuard:  # costs where drafting cannot pay: the batch decodes plain
+        guard = SpeculationGuard(DraftController(4))
+        guard.use_cost_model(CostModel(target_ms={1: 1.0, 4: 100.0}, drafter_ms={4: 50.0}))
+        return guard
+
+    def run_cases(cases: int) -> list[bool]:
+        same = []
+        for case in range(cases):
+            rng = random.Random(400 + case)
+            prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))] for _ in range(batch)]
+            ids, mask = left_padded(prompts)
+            free = generate(target, ids, mask, 24)
+            eos = int(free[case % batch, ids.shape[1] + 2])  # one row (at least) finishes early
+            expected = generate(target, ids, mask, 24, eos)
+            got = generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=plain_decoding())
+            assert all(row.drafter_forwards == 0 for row in drafter.last_stats.rows)  # plain steps only
+            same.append(torch.equal(got, expected))
+        return same
+
+    assert all(run_cases(8))
+    monkeypatch.setattr(batched_module.BatchedSpeculativeDecoder, "_in_lockstep", lambda self: True)
+    assert not all(run_cases(8))
+
+
 @pytest.fixture
 def nothing_patched(monkeypatch):
     """Transformers' own `GenerationMixin` methods, as before `import hf_blockpilot` routed them."""
