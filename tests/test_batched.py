@@ -466,6 +466,21 @@ def _rounds_by_row_count(real, step_rows: int):
     return linear
 
 
+def _rows_match_plain(target, cases: int, seed: int, decode) -> list[bool]:
+    """Per random left-padded batch of 4 with an EOS that ends one row (at least) early: whether
+    `decode(ids, mask, eos, expected)` gives plain batched `generate`'s rows."""
+    same = []
+    for case in range(cases):
+        rng = random.Random(seed + case)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))] for _ in range(4)]
+        ids, mask = left_padded(prompts)
+        free = generate(target, ids, mask, 24)
+        eos = int(free[case % 4, ids.shape[1] + 2 + case % 2])
+        expected = generate(target, ids, mask, 24, eos)
+        same.append(torch.equal(decode(ids, mask, eos, expected), expected))
+    return same
+
+
 def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
     """CPU-independent: with a simulated kernel whose rounding depends on the row count of a product, plain
     batched decoding computes every step over exactly B rows; the batch's exact path computes each verify slot as
@@ -481,21 +496,13 @@ def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
     target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=7)
     assert cpu_kernels.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
 
+    def speculative(ids, mask, eos, expected):
+        drafter = BatchScriptedDrafter.from_target(target, block_size=4).eval()
+        drafter.rig(target, [real_tokens(expected[i], mask[i], eos) for i in range(batch)], error_rate=0.2, seed=eos)
+        return generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=4)
+
     def run_cases(cases: int) -> list[bool]:
-        same = []
-        for case in range(cases):
-            rng = random.Random(300 + case)
-            prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))] for _ in range(batch)]
-            ids, mask = left_padded(prompts)
-            free = generate(target, ids, mask, 24)
-            eos = int(free[case % batch, ids.shape[1] + 3])  # one row (at least) finishes early
-            expected = generate(target, ids, mask, 24, eos)
-            scripts = [real_tokens(expected[i], mask[i], eos) for i in range(batch)]
-            drafter = BatchScriptedDrafter.from_target(target, block_size=4).eval()
-            drafter.rig(target, scripts, error_rate=0.2, seed=case)
-            got = generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=4)
-            same.append(torch.equal(got, expected))
-        return same
+        return _rows_match_plain(target, cases, 300, speculative)
 
     assert all(run_cases(6))
     monkeypatch.setattr(cpu_kernels, "needs_exact_verify", lambda model: False)
@@ -522,19 +529,13 @@ def test_plain_steps_of_a_batch_take_the_stock_model_only_in_lockstep(monkeypatc
         guard.use_cost_model(CostModel(target_ms={1: 1.0, 4: 100.0}, drafter_ms={4: 50.0}))
         return guard
 
+    def plain_steps(ids, mask, eos, expected):
+        out = generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=plain_decoding())
+        assert all(row.drafter_forwards == 0 for row in drafter.last_stats.rows)  # plain steps only
+        return out
+
     def run_cases(cases: int) -> list[bool]:
-        same = []
-        for case in range(cases):
-            rng = random.Random(400 + case)
-            prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))] for _ in range(batch)]
-            ids, mask = left_padded(prompts)
-            free = generate(target, ids, mask, 24)
-            eos = int(free[case % batch, ids.shape[1] + 2])  # one row (at least) finishes early
-            expected = generate(target, ids, mask, 24, eos)
-            got = generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=plain_decoding())
-            assert all(row.drafter_forwards == 0 for row in drafter.last_stats.rows)  # plain steps only
-            same.append(torch.equal(got, expected))
-        return same
+        return _rows_match_plain(target, cases, 400, plain_steps)
 
     assert all(run_cases(8))
     monkeypatch.setattr(batched_module.BatchedSpeculativeDecoder, "_in_lockstep", lambda self: True)
