@@ -183,14 +183,13 @@ def timed(run: Callable[[], Any], device: torch.device | str) -> tuple[Any, floa
 class Calibration:
     """One device's measured costs for one target + drafter pair.
 
-    `target_ms`: a target forward over n tokens as `generate` verifies (on CPU: the exact path). `row_exact`:
-    this machine's `row_exact_rows` of the target's linear layers (`cpu_kernels.row_exact_table`), so later
-    processes skip that probe.
+    `cost_model.target_ms`: a target forward over n tokens as `generate` verifies (on CPU: the exact path).
+    `row_exact`: this machine's `row_exact_rows` of the target's linear layers (`cpu_kernels.row_exact_table`), so
+    later processes skip that probe.
     """
 
     fingerprint: dict[str, Any]
     cost_model: CostModel
-    target_ms: dict[int, float]
     row_exact: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long measuring took
     from_cache: bool = field(default=False, compare=False)  # read from the cache rather than measured now
@@ -199,7 +198,6 @@ class Calibration:
         return {
             "fingerprint": self.fingerprint,
             "cost_model": self.cost_model.to_dict(),
-            "target_ms": self.target_ms,
             "row_exact": self.row_exact,
             "seconds": self.seconds,
         }
@@ -209,7 +207,6 @@ class Calibration:
         return cls(
             fingerprint=raw["fingerprint"],
             cost_model=CostModel.from_dict(raw["cost_model"]),
-            target_ms={int(k): float(v) for k, v in raw["target_ms"].items()},
             row_exact={key: int(rows) for key, rows in raw.get("row_exact", {}).items()},
             seconds=float(raw.get("seconds", 0.0)),
         )
@@ -218,9 +215,9 @@ class Calibration:
         """The measured costs as a text table (plain steps = a one-token target forward)."""
         cost, plain = self.cost_model, self.cost_model.verify_ms(1)
         lines = [f"{'n':>4} {'target ms':>10} {'plain steps':>12} {'drafter ms':>11}"]
-        for n in sorted(self.target_ms):
+        for n, ms in sorted(cost.target_ms.items()):
             drafter = f"{cost.draft_ms(n):11.2f}" if n > 1 else f"{'-':>11}"
-            lines.append(f"{n:>4} {self.target_ms[n]:10.2f} {cost.verify_ms(n) / plain:12.2f} {drafter}")
+            lines.append(f"{n:>4} {ms:10.2f} {cost.verify_ms(n) / plain:12.2f} {drafter}")
         lines.append(
             f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, "
             f"{cost.sampling_draw_ms:.2f} ms per draw"
@@ -358,10 +355,9 @@ def calibrate(
         ms = _measured({("target", n): verify(n, model) for n in widths} | others, repeats, device)
     finally:
         undo()
-    stock = {n: ms[("target", n)] for n in widths}
     fingerprint = device_fingerprint(target, drafter)
     cost = CostModel(
-        target_ms=stock,
+        target_ms={n: ms[("target", n)] for n in widths},
         drafter_ms={n: ms[("drafter", n)] for n in widths if n > 1},
         device=str(device),
         context_tokens=context_tokens,
@@ -371,7 +367,7 @@ def calibrate(
         source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
     )
     row_exact = row_exact_table(target) if device.type == "cpu" else {}
-    return Calibration(fingerprint, cost, stock, row_exact, time.perf_counter() - begin)
+    return Calibration(fingerprint, cost, row_exact, time.perf_counter() - begin)
 
 
 def _measured(fns: dict[Any, Callable[[], Any]], repeats: int, device: torch.device, what: str = "") -> dict:
@@ -564,7 +560,7 @@ def load_or_calibrate(
                 problem = "was measured for another device, dtype or model"
             elif max(calibration.cost_model.target_ms) < max_width:
                 problem = f"does not reach width {max_width}"
-                widths = sorted(set(widths) | set(calibration.target_ms))
+                widths = sorted(set(widths) | set(calibration.cost_model.target_ms))
             else:
                 calibration.from_cache = True
                 remember_row_exact(calibration.row_exact)

@@ -48,7 +48,7 @@ def test_calibrate_times_every_width_and_sampling():
     target, drafter = pair()
     calibration = calibrate(target, drafter, [1, 2, 4], context_tokens=16, repeats=2)
     cost = calibration.cost_model
-    assert calibration.target_ms == cost.target_ms and set(cost.target_ms) == {1, 2, 4}
+    assert set(cost.target_ms) == {1, 2, 4}
     assert set(cost.drafter_ms) == {2, 4} and cost.inexact_rows == []  # the exact path, probed
     assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
     assert cost.sampling_process_ms > 0 and cost.sampling_draw_ms > 0
