@@ -53,27 +53,17 @@ for _ in range(REPEATS):
             run(cfg, ids)
             secs[(name, i)].append(time.perf_counter() - t)
 med = {k: statistics.median(v) for k, v in secs.items()}
-rows = []
+report = {"device": describe_device(target.device), "threads": torch.get_num_threads(), "dtype": dtype, "rows": []}
+indices = range(len(prompts))
 for name in configs:
-    tot = sum(med[(name, i)] for i in range(len(prompts)))
-    plain = sum(med[("plain", i)] for i in range(len(prompts)))
-    per = [med[("plain", i)] / med[(name, i)] for i in range(len(prompts))]
+    per = [med[("plain", i)] / med[(name, i)] for i in indices]
+    total = sum(med[("plain", i)] for i in indices) / sum(med[(name, i)] for i in indices)
     print(
-        f"{name:8s} total {plain / tot:.3f}x plain  min {min(per):.3f} median {statistics.median(per):.3f}  ",
+        f"{name:8s} total {total:.3f}x plain  min {min(per):.3f} median {statistics.median(per):.3f}  ",
         [round(p, 2) for p in per],
     )
-report = {"device": describe_device(target.device), "threads": torch.get_num_threads(), "dtype": dtype, "rows": []}
-for name in configs:
-    per = [med[("plain", i)] / med[(name, i)] for i in range(len(prompts))]
-    total = sum(med[("plain", i)] for i in range(len(prompts))) / sum(med[(name, i)] for i in range(len(prompts)))
-    report["rows"].append(
-        {
-            "config": name,
-            "vs_plain": total,
-            "per_prompt": per,
-            "stats": [stats.get((name, i)) for i in range(len(prompts))],
-        }
-    )
+    stats_of = [stats.get((name, i)) for i in indices]
+    report["rows"].append({"config": name, "vs_plain": total, "per_prompt": per, "stats": stats_of})
 for k, v in stats.items():
     if k[0] == "default":
         print(k, v)
