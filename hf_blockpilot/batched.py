@@ -1,24 +1,11 @@
 """The decoding loop of `generate(..., assistant_model=drafter)` for every batch size (one row is a batch of one).
 
-`custom_generate.generate` runs it (the design, and what a batch pads, recomputes and wastes, is written down
-in docs/batched.md; the compiled variant in docs/compile.md):
-
-  prefill: the plain batched prefill (left padding, position ids from the attention mask, as plain `generate`);
-  per row: its own controller (a copy of the call's) picks the row's width from the row's own prefill states
-      and, each round, how many of the row's drafts to verify, against the cost model at the batch's size;
-  one guard for the batch (its rounds are shared): it starts the batch plain where drafting is not predicted to
-      pay and pauses every row's drafting while the batch's measured rate loses to plain batched steps;
-  each round: one drafter forward over the active rows ([last, MASK x (w_r - 1)] per row, a row's slots past
-      its own width masked out) -> one target forward over [last, k_r drafts, padding] per row -> per row, the
-      accepted prefix plus one target token is committed (greedy: argmax match; T > 0: speculative sampling).
-  ragged acceptance: each row's keys/values sit in the target cache as plain decoding would hold them (its left
-      padded prompt, then its committed tokens); a forward writes a row's slots right after its own length, and
-      the row's rejected drafts and padding, past its new length, are written over next round (`RaggedCache`).
-  finished rows leave the batch at once (their cache rows are dropped), so they cost no compute.
-
-Decisions depend only on the drafter's outputs and earlier rounds, so each row is lossless: greedy rows equal the
-same batch's plain `generate`, sampled rows follow the target's distribution. One host sync per round carries
-every row's outcome back (controllers that read confidences take one more, before the verify).
+Per round: one drafter forward over the active rows' blocks, one target forward over each row's anchor and the
+drafts its controller sends, then per row the accepted prefix plus one target token is committed (greedy: argmax
+match; T > 0: speculative sampling). Rows accept ragged counts; each row's keys/values sit in the target cache as
+plain decoding would hold them (`RaggedCache`), and finished rows leave the batch at once. One guard judges the
+batch's shared rounds. Decisions depend only on the drafter's outputs and earlier rounds, so each row is lossless.
+The design, and what a batch pads, recomputes and wastes: docs/batched.md; the compiled variant: docs/compile.md.
 """
 
 from __future__ import annotations

@@ -586,22 +586,14 @@ class DelegatingController(DraftController):
 class SpeculationGuard(DelegatingController):
     """Wraps `inner` (its widths and verify budgets) and turns drafting off where it loses to plain steps.
 
-    Per request, a request whose costs say drafting cannot pay even at `prior_acceptance` (per slot,
-    geometric) decodes plain. Per round, the guard compares committed tokens per second over recent drafting
-    rounds (decayed by `decay`, judged after `probe_rounds` of them, from the first by default) with a plain
-    step's rate, and below it pauses drafting for `first_pause` plain rounds, doubling (up to `max_pause`) while
-    probes keep losing. Where the inner controller keeps evidence of the request's acceptance (a τ policy's,
-    `tau_curve`), the tokens committed are judged by its corrected τ at the widths drafted rather than by the
-    rounds' own counts: one unlucky round does not pause a request whose acceptance pays.
-    The decayed sums start from `prior_rounds` rounds of the first drafting width at the prior acceptance, timed
-    by the cost model: the guard judges from the first round without trusting it alone (a first round also takes
-    in the whole prompt), and a request drafting at τ near 1 falls back within a few. A probe after a pause is
-    judged with the evidence so far (the sums that paused it, decayed on), so a probe that loses again costs one
-    round, and one that wins clearly resumes drafting.
-    `timing="measured"` (default) times each round by the wall clock, the plain steps too once a pause has
-    run them (before that: the cost model's plain step), so the overheads no cost model sees count;
-    `"modeled"` uses the cost model alone (deterministic). In a batch one guard judges the whole batch (its
-    rounds are shared): `observe` then hears the rows' mean verified and accepted drafts.
+    A request whose costs say drafting cannot pay even at `prior_acceptance` (per slot, geometric) decodes plain.
+    Per round, committed tokens per second of recent drafting rounds (decayed by `decay`; the sums start from
+    `prior_rounds` rounds at the prior acceptance, so the first round is judged without being trusted alone) are
+    compared with a plain step's rate; below it, drafting pauses for `first_pause` plain rounds, doubling up to
+    `max_pause` while probes keep losing. Where `inner` keeps evidence of the request's acceptance (`tau_curve`),
+    rounds are judged by its corrected τ rather than their own counts. `timing="measured"` times rounds by the wall
+    clock (overheads no cost model sees count), `"modeled"` by the cost model alone. In a batch one guard judges
+    the shared rounds (`observe` hears the rows' mean verified and accepted drafts).
     """
 
     name = "guarded"

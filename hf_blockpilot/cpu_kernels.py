@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextvars
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -34,25 +34,6 @@ _slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | No
 )
 #: The name `slotwise_exact_attention` is registered under.
 SLOTWISE_EXACT_ATTENTION = "hf_blockpilot_slotwise_exact_sdpa"
-
-
-def _patch_linears(model: nn.Module, forward_for: Callable[[nn.Linear], Callable | None]) -> Callable[[], None]:
-    """Give every plain `nn.Linear` of `model` whose `forward` is not already overridden on the instance (an
-    accelerate offload hook) the forward `forward_for(module)` returns (`None`: leave it); returns the function
-    that undoes it."""
-    patched = []
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
-            forward = forward_for(module)
-            if forward is not None:
-                module.forward = forward
-                patched.append(module)
-
-    def undo() -> None:
-        for module in patched:
-            module.__dict__.pop("forward", None)
-
-    return undo
 
 
 def slotwise_exact_attention(
@@ -118,26 +99,6 @@ def slot_key_lengths(lengths: list[int], slots: list[int], masked: bool) -> Iter
 
 AttentionInterface.register(SLOTWISE_EXACT_ATTENTION, slotwise_exact_attention)
 AttentionMaskInterface.register(SLOTWISE_EXACT_ATTENTION, sdpa_mask)
-
-
-def _switch_sdpa(models: Sequence[nn.Module], implementation: str) -> Callable[[], None]:
-    """Switch the Transformers models among `models` that use SDPA attention to `implementation`; returns the
-    function that switches them back. Other models (eager, flash, a drafter) are left alone."""
-    switched = [
-        model
-        for model in models
-        if isinstance(model, PreTrainedModel)
-        and getattr(model.config, "_attn_implementation", None) == "sdpa"
-        and model._can_set_attn_implementation()  # its attention goes through `AttentionInterface`
-    ]
-    for model in switched:
-        model.set_attn_implementation(implementation)
-
-    def undo() -> None:
-        for model in switched:
-            model.set_attn_implementation("sdpa")
-
-    return undo
 
 
 def needs_exact_verify(model: nn.Module) -> bool:
@@ -209,13 +170,9 @@ def remember_row_exact(table: dict[str, int]) -> None:
         _row_exact_rows.setdefault(entry, int(rows))
 
 
-def _in_verify_forward() -> bool:
-    return _slot_key_lengths.get() is not None
-
-
 def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows <= chunk or not _in_verify_forward():  # a verify forward's only: prefills run as plain ones
+    if rows <= chunk or _slot_key_lengths.get() is None:  # a verify forward's only: prefills run as plain ones
         return F.linear(x, module.weight, module.bias)
     if step_rows > chunk and x.dim() == 3:  # a batch whose plain step is itself one product of step_rows rows
         return _as_plain_steps(module, step_rows, x)
@@ -239,18 +196,18 @@ def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch
     return torch.stack(slots, dim=1)
 
 
-def use_row_exact_linears(model: nn.Module, step_rows: int) -> Callable[[], None]:
-    """Make every plain `nn.Linear` of `model` whose weight does not round every row alike up to `ROW_PROBE_LIMIT` rows
-    compute a verify forward (within `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it: in
-    chunks no larger than `row_exact_rows` of its weight where those steps fit in one such chunk (each row then rounds
-    as it rounds alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). Returns the
-    function that undoes it."""
-
-    def forward_for(module: nn.Linear) -> Callable | None:
-        chunk = row_exact_rows(module.weight, module.bias)
-        return partial(_row_exact_forward, module, chunk, step_rows) if chunk < ROW_PROBE_LIMIT else None
-
-    return _patch_linears(model, forward_for)
+def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
+    """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) whose weight does not round every row
+    alike up to `ROW_PROBE_LIMIT` rows compute a verify forward (within `slot_key_lengths`) as plain decoding's steps
+    of `step_rows` rows compute it: in chunks no larger than `row_exact_rows` of its weight where those steps fit in
+    one such chunk (each row then rounds as it rounds alone), else slot by slot as products of exactly `step_rows`
+    rows (`_as_plain_steps`). A linear whose `forward` is overridden on the instance (an accelerate offload hook)
+    is left alone."""
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            chunk = row_exact_rows(module.weight, module.bias)
+            if chunk < ROW_PROBE_LIMIT:
+                module.forward = partial(_row_exact_forward, module, chunk, step_rows)
 
 
 def call_view(model: nn.Module) -> nn.Module:
@@ -279,15 +236,17 @@ def call_view(model: nn.Module) -> nn.Module:
     return view_of(model)
 
 
-def use_verify_kernels(target: nn.Module, batch_size: int = 1) -> tuple[nn.Module, Callable[[], None]]:
+def use_verify_kernels(target: nn.Module, batch_size: int = 1) -> nn.Module:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
-    same): on CPU (`needs_exact_verify`) the exact path, `slotwise_exact_attention` with `use_row_exact_linears`
-    for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`, so greedy output equals plain
-    decoding bit for bit; elsewhere the stock kernels. Returns the model to run the call with (`target`, or a
-    `call_view` of it with the exact path switched on, never `target` itself changed) and what ends the call's
-    settings."""
+    same): on CPU (`needs_exact_verify`) a `call_view` of `target` on the exact path, `slotwise_exact_attention`
+    with `use_row_exact_linears` for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`,
+    so greedy output equals plain decoding bit for bit; elsewhere `target` itself, on the stock kernels. `target`
+    is never changed, so nothing needs undoing."""
     if not needs_exact_verify(target):
-        return target, lambda: None
+        return target
     view = call_view(target)
-    _switch_sdpa([view], SLOTWISE_EXACT_ATTENTION)
-    return view, use_row_exact_linears(view, batch_size)
+    sdpa = isinstance(view, PreTrainedModel) and getattr(view.config, "_attn_implementation", None) == "sdpa"
+    if sdpa and view._can_set_attn_implementation():  # its attention goes through `AttentionInterface`
+        view.set_attn_implementation(SLOTWISE_EXACT_ATTENTION)
+    use_row_exact_linears(view, batch_size)
+    return view

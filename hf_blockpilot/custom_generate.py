@@ -82,28 +82,23 @@ def generate(
             compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
-    # compiled stock forwards take no exact path (a warning says where they round unlike plain steps)
-    view, end_kernels = (model, lambda: None) if compile else use_verify_kernels(model, rows)
-    try:
-        decoder = build_decoder(
-            view,
-            drafter,
-            controller,
-            input_ids,
-            generation_config,
-            logits_processor,
-            stopping_criteria,
-            stream,
-            model_kwargs,
-            single=rows == 1 and unpadded,
-            plain_target=model,
-            prompt_lookup=prompt_lookup,
-            compiled=compiled,
-            capacity=capacity,
-        )
-        sequences = decoder.run()
-    finally:
-        end_kernels()
+    decoder = build_decoder(
+        model if compile else use_verify_kernels(model, rows),  # compiled forwards take no exact path (warned)
+        drafter,
+        controller,
+        input_ids,
+        generation_config,
+        logits_processor,
+        stopping_criteria,
+        stream,
+        model_kwargs,
+        single=rows == 1 and unpadded,
+        plain_target=model,
+        prompt_lookup=prompt_lookup,
+        compiled=compiled,
+        capacity=capacity,
+    )
+    sequences = decoder.run()
     if not generation_config.return_dict_in_generate:
         return sequences
     returned = decoder.returned.as_output_fields() if decoder.returned is not None else {}

@@ -321,16 +321,13 @@ def probe_exact_verify(target: PreTrainedModel, widths: Iterable[int], context_t
     ids, cache, steps, plain_cache = _plain_steps(target, context_tokens, max(widths))
     argument = cache_argument(target)
     inexact = []
-    model, undo = use_verify_kernels(target)
-    try:
-        for n in widths:
-            with slot_key_lengths([context_tokens], [n], masked=False):
-                logits = model(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
-            if not _same_as_steps(logits, cache, steps, plain_cache, n):
-                inexact.append(n)
-            cache.crop(-n)
-    finally:
-        undo()
+    model = use_verify_kernels(target)
+    for n in widths:
+        with slot_key_lengths([context_tokens], [n], masked=False):
+            logits = model(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
+        if not _same_as_steps(logits, cache, steps, plain_cache, n):
+            inexact.append(n)
+        cache.crop(-n)
     return inexact
 
 
@@ -349,12 +346,7 @@ def calibrate(
     widths = sorted(set(widths) | {1})
     device = next(target.parameters()).device
     inexact = probe_exact_verify(target, widths)
-    verify, others = _timed_forwards(target, drafter, widths, context_tokens)
-    model, undo = use_verify_kernels(target)  # switching takes milliseconds, kept out of the timings
-    try:
-        ms = _measured({("target", n): verify(n, model) for n in widths} | others, repeats, device)
-    finally:
-        undo()
+    ms = _forward_ms(target, drafter, widths, context_tokens, repeats)
     fingerprint = device_fingerprint(target, drafter)
     cost = CostModel(
         target_ms={n: ms[("target", n)] for n in widths},
@@ -370,19 +362,6 @@ def calibrate(
     return Calibration(fingerprint, cost, row_exact, time.perf_counter() - begin)
 
 
-def _measured(fns: dict[Any, Callable[[], Any]], repeats: int, device: torch.device, what: str = "") -> dict:
-    """`interleaved_median_ms` of `fns` with a progress bar."""
-    name = describe_device(device)["name"]
-    with tqdm(
-        total=(repeats + 1) * len(fns),
-        desc=f"hf-blockpilot: calibrating {what}on {name}",
-        unit="forward",
-        leave=False,
-        mininterval=1.0,
-    ) as bar:
-        return interleaved_median_ms(fns, repeats, device, bar)
-
-
 @torch.inference_mode()
 def calibrate_batch(
     target: PreTrainedModel,
@@ -394,24 +373,23 @@ def calibrate_batch(
 ) -> tuple[dict[int, float], dict[int, float]]:
     """The batch axis of the cost model at `batch_size` rows: (target ms per n tokens a row, drafter ms per
     block of b slots a row), each row after its own `context_tokens`-long cached context, verified as a batched
-    `generate` verifies (`use_verify_kernels`: on CPU the exact path)."""
+    `generate` verifies (on CPU the exact path)."""
     widths = sorted(set(widths) | {1})
-    verify, others = _timed_forwards(target, drafter, widths, context_tokens, batch_size)
-
-    model, undo = use_verify_kernels(target, batch_size=batch_size)
-    try:
-        fns = {("target", n): verify(n, model) for n in widths} | {k: f for k, f in others.items() if k[0] == "drafter"}
-        ms = _measured(fns, repeats, next(target.parameters()).device, f"batch {batch_size} ")
-    finally:
-        undo()
+    ms = _forward_ms(target, drafter, widths, context_tokens, repeats, batch_size)
     return {n: ms[("target", n)] for n in widths}, {n: ms[("drafter", n)] for n in widths if n > 1}
 
 
-def _timed_forwards(
-    target: PreTrainedModel, drafter: nn.Module, widths: list[int], context_tokens: int, batch_size: int = 1
-) -> tuple[Callable[[int, nn.Module], Callable[[], None]], dict[Any, Callable[[], None]]]:
-    """What `calibrate` times: a maker of target forwards over n tokens a row after a cached context, and the
-    drafter per width and the sampling work (one row processed, one draw), over `batch_size` rows."""
+def _forward_ms(
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    widths: list[int],
+    context_tokens: int,
+    repeats: int,
+    batch_size: int = 1,
+) -> dict[Any, float]:
+    """Median ms (`interleaved_median_ms`, with a progress bar) of what a calibration times, over `batch_size` rows
+    after a cached context: target forwards over n tokens a row as `generate` verifies (`use_verify_kernels`), the
+    drafter per width, and for one row the sampling work (one row processed, one draw)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -424,7 +402,6 @@ def _timed_forwards(
     embed = target.get_input_embeddings()
 
     def verify(n: int, model: nn.Module) -> Callable[[], None]:
-        """A forward of `model` (the target, or the view of it a call verifies with) over n tokens."""
         block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
 
         def run() -> None:
@@ -464,9 +441,20 @@ def _timed_forwards(
     def draw() -> None:
         torch.multinomial(probs, num_samples=1)
 
-    others: dict[Any, Callable[[], None]] = {("drafter", n): draft(n) for n in widths if n > 1}
-    others.update(sampling_process=process_row, sampling_draw=draw)
-    return verify, others
+    fns: dict[Any, Callable[[], None]] = {("drafter", n): draft(n) for n in widths if n > 1}
+    if batch_size == 1:
+        fns.update(sampling_process=process_row, sampling_draw=draw)
+    model = use_verify_kernels(target, batch_size)  # made once, outside the timings
+    fns = {("target", n): verify(n, model) for n in widths} | fns
+    batch = f"batch {batch_size} " if batch_size > 1 else ""
+    with tqdm(
+        total=(repeats + 1) * len(fns),
+        desc=f"hf-blockpilot: calibrating {batch}on {describe_device(device)['name']}",
+        unit="forward",
+        leave=False,
+        mininterval=1.0,
+    ) as bar:
+        return interleaved_median_ms(fns, repeats, device, bar)
 
 
 _resolved: dict[str, CostModel] = {}  # fingerprint key -> this process's cost model for it

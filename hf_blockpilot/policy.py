@@ -197,6 +197,7 @@ class BlockPilotPolicy(
         tau_head: str = "per_width",
         architecture: str | None = None,
     ):
+        given = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         if not type(self).architecture:
             raise TypeError(
                 "BlockPilotPolicy is the shared base of the policy architectures: construct "
@@ -243,23 +244,7 @@ class BlockPilotPolicy(
         self.parameter_dtype = getattr(torch, dtype)
         # the whole config, defaults included (the Hub mixin records only the subclass's own defaults), and the
         # architecture `from_pretrained` dispatches on
-        self._hub_mixin_config.update(
-            candidates=self.candidates,
-            target_vocab_size=target_vocab_size,
-            objective=objective,
-            target_name=target_name,
-            drafter_name=drafter_name,
-            drafter_fingerprint=drafter_fingerprint,
-            training_loss=training_loss,
-            report=report,
-            prompt_lookup=prompt_lookup,
-            acceptance_model=acceptance_model,
-            cost_model=cost_model,
-            dtype=dtype,
-            label_controller=label_controller,
-            tau_head=tau_head,
-            architecture=self.architecture,
-        )
+        self._hub_mixin_config.update(given, candidates=self.candidates, architecture=self.architecture)
 
     @property
     def weighs_costs(self) -> bool:
@@ -285,29 +270,13 @@ class BlockPilotPolicy(
     def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
         """The Hub model card (README.md) written by `save_pretrained` / `push_to_hub`, from our template."""
         card_data = ModelCardData(library_name="hf-blockpilot", tags=["speculative-decoding", "dflash", "blockpilot"])
-        return ModelCard.from_template(
-            card_data,
-            template_path=str(CARD_TEMPLATE),
-            candidates=self.candidates,
-            architecture=self.architecture,
-            feature_layers=getattr(self, "feature_layers", []),
-            target_name=self.target_name,
-            target_hidden_size=getattr(self, "target_hidden_size", None),
-            target_num_layers=getattr(self, "target_num_layers", None),
-            target_vocab_size=self.target_vocab_size,
-            drafter_name=self.drafter_name,
-            drafter_fingerprint=self.drafter_fingerprint,
-            objective=self.objective,
-            num_parameters=sum(p.numel() for p in self.parameters()),
-            report=self.report,
-            training_loss=self.training_loss,
-            prompt_lookup=self.prompt_lookup,
-            label_controller=self.label_controller,
-            tau_head=self.tau_head,
-            serving_controller=self.serving_controller,
-            acceptance_model=self.acceptance_model.to_dict() if self.acceptance_model else None,
-            cost_model=self.cost_model,
-        )
+        fields = {  # the config (a subclass's fields too), and what the card shows beyond it
+            **self._hub_mixin_config,
+            "num_parameters": sum(p.numel() for p in self.parameters()),
+            "serving_controller": self.serving_controller,
+            "cost_model": self.cost_model,
+        }
+        return ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **fields)
 
     def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
         """(1, D) this policy's input for one request (its architecture's features of the prefill)."""

@@ -122,16 +122,6 @@ class BatchSpeculationStats:
         return sum(rounds) / len(rounds) if rounds else 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size,
-            "target_forwards": self.target_forwards,
-            "drafter_forwards": self.drafter_forwards,
-            "verify_slots": self.verify_slots,
-            "padded_slots": self.padded_slots,
-            "host_syncs": self.host_syncs,
-            "cost_model_source": self.cost_model_source,
-            "new_tokens": self.new_tokens,
-            "tau": self.tau,
-            "acceptance_length": self.acceptance_length,
-            "rows": [row.to_dict() for row in self.rows],
-        }
+        totals = {name: value for name, value in asdict(self).items() if name != "rows"}
+        derived = {"new_tokens": self.new_tokens, "tau": self.tau, "acceptance_length": self.acceptance_length}
+        return totals | derived | {"rows": [row.to_dict() for row in self.rows]}

@@ -42,18 +42,15 @@ def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtyp
         target(prompt, **{argument: steps_cache})
         target(prompt, **{argument: block_cache})
         steps = torch.cat([target(block[:, i : i + 1], **{argument: steps_cache}).logits for i in range(6)], 1)
-        model, undo = cpu_kernels.use_verify_kernels(target)
-        try:
-            assert model.config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
-            assert any("forward" in module.__dict__ for module in model.modules())
-            # the call's own view: the shared model is untouched while it runs
-            assert target.config._attn_implementation == "sdpa"
-            assert not any("forward" in module.__dict__ for module in target.modules())
-            with cpu_kernels.slot_key_lengths([30], [6], masked=False):  # 30 cached, 6 verified
-                verified = model(block, **{argument: block_cache}).logits
-            prefill = model(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
-        finally:
-            undo()
+        model = cpu_kernels.use_verify_kernels(target)
+        assert model.config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
+        assert any("forward" in module.__dict__ for module in model.modules())
+        # the call's own view: the shared model is untouched while it runs
+        assert target.config._attn_implementation == "sdpa"
+        assert not any("forward" in module.__dict__ for module in target.modules())
+        with cpu_kernels.slot_key_lengths([30], [6], masked=False):  # 30 cached, 6 verified
+            verified = model(block, **{argument: block_cache}).logits
+        prefill = model(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
     assert torch.equal(verified, steps)
     with torch.no_grad():
         assert torch.equal(prefill, target(prompt).logits)
@@ -90,21 +87,17 @@ def test_row_exact_linears_round_every_row_as_it_rounds_alone():
         x = torch.randn(100, 1536).to(dtype)
         for layer in model:
             assert 1 <= row_exact_rows(layer.weight, layer.bias) <= ROW_PROBE_LIMIT
-        undo = use_row_exact_linears(model, step_rows=1)
-        try:
-            with torch.no_grad(), slot_key_lengths([0], [1], masked=False):  # inside a verify forward
-                out = model(x)
-            with torch.no_grad():  # outside one (a prefill): the stock product
-                assert torch.equal(
-                    model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
-                )
-        finally:
-            undo()
         with torch.no_grad():
             hidden = torch.cat([model[0](x[i : i + 1]) for i in range(x.shape[0])])
             alone = torch.cat([model[1](hidden[i : i + 1]) for i in range(x.shape[0])])
+        use_row_exact_linears(model, step_rows=1)
+        with torch.no_grad(), slot_key_lengths([0], [1], masked=False):  # inside a verify forward
+            out = model(x)
+        with torch.no_grad():  # outside one (a prefill): the stock product
+            assert torch.equal(
+                model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+            )
         assert torch.equal(out, alone), dtype
-        assert all("forward" not in layer.__dict__ for layer in model)  # undone
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,9 +112,8 @@ def test_a_padded_single_row_verifies_on_the_exact_path(dtype, monkeypatch):
     real = custom_generate_module.use_verify_kernels
 
     def recording(*args):
-        view, end = real(*args)
-        views.append(view)
-        return view, end
+        views.append(real(*args))
+        return views[-1]
 
     monkeypatch.setattr(custom_generate_module, "use_verify_kernels", recording)
     accepted = 0
