@@ -12,10 +12,6 @@ Importing the package registers the drafter with `AutoConfig`/`AutoModel` and ro
 public `generate`; `hf_blockpilot.routing` says how to opt out).
 """
 
-import importlib
-import warnings
-from typing import Any
-
 from transformers import AutoConfig, AutoModel
 
 from .configuration_block_diffusion import BlockDiffusionConfig
@@ -62,23 +58,3 @@ __all__ = [
     "default_controller",
     "generate",
 ]
-
-#: Names once exported here, now imported from their modules (a DeprecationWarning says where).
-_MOVED_NAMES = {
-    "AcceptanceModel": "hf_blockpilot.controllers",
-    "BatchSpeculationStats": "hf_blockpilot.stats",
-    "DelegatingController": "hf_blockpilot.controllers",
-    "DraftedRound": "hf_blockpilot.controllers",
-    "EntropyBound": "hf_blockpilot.controllers",
-    "LastLogitsMLPPolicy": "hf_blockpilot.policy",
-    "PrefillMLPPolicy": "hf_blockpilot.policy",
-    "build_target_layer_ids": "hf_blockpilot.configuration_block_diffusion",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_NAMES:
-        module = _MOVED_NAMES[name]
-        warnings.warn(f"hf_blockpilot.{name} is deprecated: import it from {module}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module 'hf_blockpilot' has no attribute {name!r}")

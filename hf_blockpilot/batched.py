@@ -36,7 +36,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from ._compat import cache_argument
+from ._compat import SELECTION_KEEPS_POSITIONS, cache_argument
 from .controllers import DraftController, DraftedRound, SpeculationGuard, fastest_width
 from .costs import MIN_PREDICTED_GAIN
 from .cpu_kernels import slot_key_lengths
@@ -76,34 +76,6 @@ def request_temperature(generation_config: GenerationConfig) -> float:
     return temperature
 
 
-def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """(rows, k, V) logits -> (rows, k) tokens: argmax, or one draw from softmax(logits) per position at T > 0; a
-    non-finite distribution is a clear error (checked only when the draw fails: no host sync otherwise)."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.flatten(0, 1), dim=-1)
-    try:
-        return torch.multinomial(probs, num_samples=1).view(logits.shape[:2])
-    except RuntimeError as error:
-        if bool(torch.isfinite(probs).all()):
-            raise
-        raise ValueError(
-            "the draft distribution is not finite (NaN/inf logits): the drafter's weights are damaged or it "
-            "overflowed in this dtype; reload the drafter, or run it in float32"
-        ) from error
-
-
-def check_prompt_not_cached(cache: Any) -> None:
-    """A ValueError if the target's cache passed to `generate` already holds tokens: block-diffusion drafting
-    reads the target's hidden states of the whole prompt."""
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        raise ValueError(
-            "block-diffusion drafting reads the target's hidden states of the whole prompt, so the prompt cannot "
-            f"come pre-cached ({cache.get_seq_length()} tokens in the cache passed to generate): pass the full "
-            "prompt without `cache` / `past_key_values`."
-        )
-
-
 def check_batched_call(
     target: PreTrainedModel,
     drafter: BlockDiffusionDrafter,
@@ -133,7 +105,12 @@ def check_batched_call(
     if others:
         problems.append(f"model inputs {others} (a batch takes input_ids and attention_mask)")
     cache = _target_cache(target, model_kwargs)
-    check_prompt_not_cached(cache)
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise ValueError(
+            "block-diffusion drafting reads the target's hidden states of the whole prompt, so the prompt cannot "
+            f"come pre-cached ({cache.get_seq_length()} tokens in the cache passed to generate): pass the full "
+            "prompt without `cache` / `past_key_values`."
+        )
     if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
         problems.append("a target with sliding-window attention layers (their cache drops entries by slot)")
     if drafter.config.has_masked_layers() and not single:
@@ -148,6 +125,20 @@ def check_batched_call(
 def _target_cache(target: PreTrainedModel, model_kwargs: dict[str, Any]) -> Any:
     cache = model_kwargs.get(cache_argument(target))
     return cache if cache is not None else model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+
+
+def hidden_states_to_keep(
+    drafter: BlockDiffusionDrafter, controller: DraftController, wants_all: bool = False
+) -> bool | list[int]:
+    """The target's hidden states that the drafter (and the controller's policy) read, as `hidden_states` indices
+    (less memory on long prompts); all of them where the call returns them (`wants_all`) or where Transformers
+    (before 5.23) does not keep a selection at its usual positions."""
+    if wants_all or not SELECTION_KEEPS_POSITIONS:
+        return True
+    controller_states = controller.prefill_state_indices()
+    if controller_states is None:  # a policy of another kind may read any of them
+        return True
+    return sorted({i + 1 for i in drafter.target_layer_ids} | controller_states)
 
 
 class RaggedLayer(DynamicLayer):
@@ -314,26 +305,46 @@ class ReturnedSteps:
 
 
 class BatchedSpeculativeDecoder:
-    """Runs one batched call (see the module docstring); `run()` returns the padded sequences."""
+    """Runs one call (see the module docstring) with its prepared `controller` (`prepare_controller`), after checking
+    that the loop serves the call (`check_batched_call`); `plain_target`: the stock model where `target` is the call's
+    exact-path view; `prompt_lookup`: default `drafter.prompt_lookup`; `compiled`: the target's compiled call, for the
+    forwards after the prefill, over a static cache of `capacity` slots. `run()` returns the padded sequences."""
 
     def __init__(
         self,
         target: PreTrainedModel,
         drafter: BlockDiffusionDrafter,
-        controllers: list[DraftController],
-        guard: SpeculationGuard | None,
+        controller: DraftController,
         input_ids: torch.LongTensor,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList,
         stopping_criteria: StoppingCriteriaList,
+        streamer: Any,
         model_kwargs: dict[str, Any],
-        hidden_states_to_keep: bool | list[int],
-        streamer: Any = None,
         plain_target: PreTrainedModel | None = None,
-        prompt_lookup: bool = False,
+        prompt_lookup: bool | None = None,
         compiled: Callable[..., Any] | None = None,
         capacity: int | None = None,
     ):
+        mask = model_kwargs.get("attention_mask")
+        self.prompt_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
+        host_ids, host_mask = input_ids.cpu(), self.prompt_mask.cpu()  # once per call (counted below)
+        self.padded = not bool(host_mask.all())
+        self.single = input_ids.shape[0] == 1 and not self.padded  # one unpadded row: decoded as plain decodes one
+        check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, self.single)
+        # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
+        guard, per_row = (
+            (controller.for_request(), controller.inner)
+            if isinstance(controller, SpeculationGuard)
+            else (None, controller)
+        )
+        controllers = [per_row.for_request() for _ in range(input_ids.shape[0])]
+        batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
+        for each in controllers if guard is None else [guard, *controllers]:
+            each.use_cost_model(batch_cost)
+        wants_states = bool(generation_config.output_hidden_states) or compiled is not None  # compiled: one graph
+        self.hidden_states_to_keep = hidden_states_to_keep(drafter, controller, wants_states)
+        prompt_lookup = drafter.prompt_lookup if prompt_lookup is None else bool(prompt_lookup)
         self.target, self.drafter = target, drafter
         self.compiled = compiled  # the target's compiled call: every forward after the prefill, in fixed shapes
         self.capacity = capacity  # its static cache's slots (`static_capacity`)
@@ -356,17 +367,11 @@ class BatchedSpeculativeDecoder:
         self.max_length = generation_config.max_length
         self.cache_name = cache_argument(target)
         self.cache = _target_cache(target, model_kwargs)
-        self.hidden_states_to_keep = hidden_states_to_keep
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
         self.vocab_size = self.embed_tokens.weight.shape[0]
-        mask = model_kwargs.get("attention_mask")
-        self.prompt_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
         self.input_ids = input_ids
-        host_ids, host_mask = input_ids.cpu(), self.prompt_mask.cpu()  # once per call (counted below)
-        self.padded = not bool(host_mask.all())
-        self.single = input_ids.shape[0] == 1 and not self.padded  # one unpadded row: decoded as plain decodes one
         self.rows: list[_Row] = []
         for i, controller in enumerate(controllers):
             first_real = int(host_mask[i].argmax()) if bool(host_mask[i].any()) else input_ids.shape[1]
@@ -390,6 +395,7 @@ class BatchedSpeculativeDecoder:
         self.draft_cache = DraftContextCache()
         self.context_valid = self.prompt_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, valid, positions)
+        drafter.last_stats = self.call_stats
 
     # ------------------------------------------------------------------------------------------- the loop
     @property
@@ -446,11 +452,9 @@ class BatchedSpeculativeDecoder:
         return any(row.controller.max_width() > 1 for row in self.rows)
 
     def _batch_width(self) -> tuple[int, float | None]:
-        """The width the batch drafts next, and its predicted speedup over plain batched steps. Where every row's
-        controller predicts τ per width (a τ policy's, corrected by the row's rounds: `tau_curve`), every row
-        drafts the one width at which the slowest row commits the most per round's cost at the batch's size
-        (`fastest_width`: a batch runs until its slowest row is done, and its widest row sets a round's cost);
-        else each row drafts its own width, and the widest is returned with no prediction (`None`)."""
+        """The width the batch drafts next, and its predicted speedup over plain batched steps: where every row's
+        controller predicts τ per width (`tau_curve`), the one `fastest_width` for the slowest row at the batch's
+        size; else each row drafts its own width, and the widest is returned with no prediction (`None`)."""
         if not self.shared_width:
             return max(row.controller.width() for row in self.rows), None
         curves = [row.controller.tau_curve() for row in self.rows]
@@ -700,10 +704,8 @@ class BatchedSpeculativeDecoder:
         return outputs
 
     def _in_lockstep(self) -> bool:
-        """Whether every row of the batch is still in it and holds as many keys as the others: a one-token step is
-        then one product of all the batch's rows and one attention call over keys none of which trail masked,
-        exactly as plain batched decoding computes it (after a row leaves, the view pads products to the batch's
-        first row count, `_as_plain_steps`)."""
+        """Whether every row is still in the batch and holds as many keys as the others: a one-token step is then
+        exactly plain batched decoding's (after a row leaves, the view pads products, `_as_plain_steps`)."""
         plan = self.plan
         return plan is not None and len(self.rows) == self.stats.batch_size and len(set(plan.host_lengths)) == 1
 
@@ -726,7 +728,20 @@ class BatchedSpeculativeDecoder:
         return out
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        return pick_tokens(logits, self.do_sample)
+        """(rows, k, V) logits -> (rows, k) tokens: argmax, or one draw from softmax(logits) per position at T > 0;
+        a non-finite distribution is a clear error (checked only when the draw fails: no host sync otherwise)."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.flatten(0, 1), dim=-1)
+        try:
+            return torch.multinomial(probs, num_samples=1).view(logits.shape[:2])
+        except RuntimeError as error:
+            if bool(torch.isfinite(probs).all()):
+                raise
+            raise ValueError(
+                "the draft distribution is not finite (NaN/inf logits): the drafter's weights are damaged or it "
+                "overflowed in this dtype; reload the drafter, or run it in float32"
+            ) from error
 
     # -------------------------------------------------------------------------------------- bookkeeping
     def _keep_context(self, outputs: Any, kept: torch.Tensor, positions: torch.Tensor) -> None:

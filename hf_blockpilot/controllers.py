@@ -495,11 +495,9 @@ def _widest(policy: BlockSizePolicy) -> int:
 
 
 def default_controller(drafter: nn.Module) -> DraftController:
-    """What `generate(assistant_model=drafter)` runs when given no `draft_controller` (and what `bench`, the CLI
-    and `evaluate-policy` call "default"): the drafter's attached policy under its `serving_controller`
-    (`AdaptiveVerify` for a policy trained on `collect --adaptive` labels, else every draft verified, as for the
-    τ-predicting ones), else its `block_size` with every draft verified; inside a `SpeculationGuard`, so that it never
-    runs slower than plain decoding on this machine's costs."""
+    """What `generate(assistant_model=drafter)` runs with no `draft_controller` ("default" in `bench` and the CLI):
+    the drafter's policy under its `serving_controller` (`AdaptiveVerify`, or every draft verified), else its
+    `block_size`; inside a `SpeculationGuard`, so that it never runs slower than plain decoding here."""
     policy = getattr(drafter, "policy", None)
     if policy is None:
         inner = DraftController(drafter.block_size)

@@ -1,14 +1,11 @@
 """The exact verify path on CPU: verify forwards that round as plain decoding's one-token steps.
 
-A speculative round runs the target over a handful of tokens at once, and CPU kernels round such a forward
-unlike the one-token steps of plain decoding (MKL's float32 GEMM against its GEMV, oneDNN's bfloat16 kernels
-for long reductions on some CPUs, PyTorch's SDPA for several masked queries): a near-tie can then flip a greedy
-choice. `use_verify_kernels` (the one place that decides how a call verifies) gives each call its own view of
-the target in which a verify forward computes every row as a one-token step computes it: attention one query at
-a time (`slotwise_exact_attention`), and linear layers in products of
-as many rows as this machine's kernels round alike (`row_exact_rows`, probed per weight shape and dtype).
-Calibration probes the whole path (`probe_exact_verify`) and times it, so decisions weigh its cost
-(docs/exactness.md).
+CPU kernels round a forward over several tokens unlike one-token steps, so a near-tie can flip a greedy choice.
+`use_verify_kernels` (the one place that decides how a call verifies) gives each call its own view of the target
+in which a verify forward computes attention one query at a time (`slotwise_exact_attention`) and linear layers
+in products of as many rows as this machine's kernels round alike (`row_exact_rows`). Calibration probes the
+whole path (`probe_exact_verify`) and times it, so decisions weigh its cost (docs/exactness.md: which kernels
+differ on which CPUs).
 """
 
 from __future__ import annotations
@@ -102,12 +99,8 @@ AttentionMaskInterface.register(SLOTWISE_EXACT_ATTENTION, sdpa_mask)
 
 
 def needs_exact_verify(model: nn.Module) -> bool:
-    """Whether a verify forward of `model` takes the exact path (`use_verify_kernels`): every model on CPU.
-
-    CPU kernels round a product of k rows unlike k products of one row (MKL's float32 GEMM against its GEMV on
-    every CPU seen; oneDNN's bfloat16 kernels for long reductions on an AMD EPYC with AVX512-BF16, never on an
-    Intel Xeon with AMX), and PyTorch's SDPA rounds several masked queries unlike one: a near-tie can then flip a
-    greedy choice. Calibration probes that the path is exact here (`probe_exact_verify`)."""
+    """Whether a verify forward of `model` takes the exact path (`use_verify_kernels`): every model on CPU, whose
+    kernels round k rows or masked queries unlike one on every CPU seen (docs/exactness.md)."""
     return next(model.parameters()).device.type == "cpu"
 
 
@@ -124,11 +117,8 @@ _PROBED_ROWS = sorted({*range(2, 18), *(1 << i for i in range(5, 8)), *((1 << i)
 
 def row_exact_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     """The most rows (a power of two up to `ROW_PROBE_LIMIT`; 1: none) for which `F.linear(x, weight, bias)`
-    gives every row exactly the result it gives that row alone, probed once per shape, bias, dtype and device.
-    BLAS libraries switch kernels, and rounding, with the row count: MKL's float32 GEMM at 2 rows, oneDNN's AMX
-    bfloat16 kernels at 33 rows for the down projections and LM heads of small models, an AMD EPYC's AVX512-BF16
-    kernels at 2 rows for reductions over more than 1024 inputs, where only some inputs show it: so many small
-    inputs (the counts a single request verifies), then three of `ROW_PROBE_LIMIT` rows."""
+    gives every row exactly the result it gives that row alone, probed once per shape, bias, dtype and device on
+    many small inputs (some kernels differ on some inputs only), then three of `ROW_PROBE_LIMIT` rows."""
     key = _row_exact_key(weight, bias)
     if key not in _row_exact_rows:
         generator = torch.Generator().manual_seed(0)
@@ -184,9 +174,7 @@ def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.T
 def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` for a batch's (rows, slots, features) verify input, each slot's rows computed as one product of
     exactly `step_rows` rows (zero rows appended where rows have left the batch): as plain batched decoding
-    computes every step, all of its rows at once. The rounding of a row depends on the row count of its product
-    (MKL's float32 GEMM has one class for 2-3, 5-7 and 9-11 rows and another for 4, 8 and 12 or more), not on the
-    other rows or its place among them."""
+    computes every step. A row's rounding depends on its product's row count, not on the other rows."""
     rows = x.shape[0]
     padded = x.new_zeros(step_rows, x.shape[-1])
     slots = []
@@ -211,11 +199,9 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
 
 
 def call_view(model: nn.Module) -> nn.Module:
-    """A view of `model` for one call: every module shallow-copied, its tables (parameters, buffers, hooks)
-    copied but not what they hold (no tensor is copied), and the config the modules read copied, so kernels
-    switched on in the view (a linear's `forward`, the attention implementation) and anything Transformers
-    attaches to it during the call (output-capturing hooks) are that call's own: another thread or call using
-    `model` never sees them."""
+    """A view of `model` for one call: every module shallow-copied (no tensor copied; its parameter, buffer and hook
+    tables and the config copied), so kernels switched on in the view and hooks Transformers attaches during the
+    call are that call's own: another thread or call using `model` never sees them."""
     config = getattr(model, "config", None)
     own = copy.copy(config)
 

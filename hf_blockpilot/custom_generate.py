@@ -12,7 +12,6 @@ is routed here (`hf_blockpilot.routing`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,9 +19,8 @@ from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, P
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ._compat import SELECTION_KEEPS_POSITIONS
-from .batched import BatchedSpeculativeDecoder, check_batched_call, static_capacity
-from .controllers import DraftController, SpeculationGuard, resolve_controller
+from .batched import BatchedSpeculativeDecoder, static_capacity
+from .controllers import DraftController, resolve_controller
 from .costs import CostModel
 from .cpu_kernels import use_verify_kernels
 from .device_calibration import compiled_cost_model, resolve_cost_model
@@ -69,8 +67,6 @@ def generate(
         if model_kwargs.pop(name, None):
             setattr(generation_config, name, True)
     rows = input_ids.shape[0]
-    mask = model_kwargs.get("attention_mask")
-    unpadded = mask is None or bool(mask.all())  # once per call
     controller = prepare_controller(model, drafter, draft_controller, rows, calibrate)
     compiled = capacity = None
     if compile:
@@ -82,7 +78,7 @@ def generate(
             compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
-    decoder = build_decoder(
+    decoder = BatchedSpeculativeDecoder(
         model if compile else use_verify_kernels(model, rows),  # compiled forwards take no exact path (warned)
         drafter,
         controller,
@@ -92,7 +88,6 @@ def generate(
         stopping_criteria,
         stream,
         model_kwargs,
-        single=rows == 1 and unpadded,
         plain_target=model,
         prompt_lookup=prompt_lookup,
         compiled=compiled,
@@ -142,72 +137,3 @@ def warn_if_inexact(cost: CostModel, compiled: bool = False) -> None:
             f"from plain `generate` in this dtype where two tokens nearly tie; {remedy} for token-identical output",
             stacklevel=4,
         )
-
-
-def hidden_states_to_keep(
-    drafter: BlockDiffusionDrafter, controller: DraftController, wants_all: bool = False
-) -> bool | list[int]:
-    """The target's hidden states that the drafter (and the controller's policy) read, as `hidden_states` indices;
-    all of them where the call asks for them (`wants_all`: they are returned).
-
-    Where Transformers keeps a selection at its usual positions (5.23), only those are held, which saves
-    memory on long prompts; older releases index a selection differently, so they get all of them.
-    """
-    if wants_all or not SELECTION_KEEPS_POSITIONS:
-        return True
-    controller_states = controller.prefill_state_indices()
-    if controller_states is None:  # a policy of another kind may read any of them
-        return True
-    return sorted({i + 1 for i in drafter.target_layer_ids} | controller_states)
-
-
-def build_decoder(
-    target: PreTrainedModel,
-    drafter: BlockDiffusionDrafter,
-    controller: DraftController,
-    input_ids: torch.LongTensor,
-    generation_config: GenerationConfig,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    streamer: BaseStreamer | None,
-    model_kwargs: dict[str, Any],
-    single: bool,
-    decoder_class: type[BatchedSpeculativeDecoder] | None = None,
-    plain_target: PreTrainedModel | None = None,
-    prompt_lookup: bool | None = None,
-    compiled: Callable[..., Any] | None = None,
-    capacity: int | None = None,
-) -> BatchedSpeculativeDecoder:
-    """The decoder (a `decoder_class`, default `BatchedSpeculativeDecoder`) of one call's rows with its prepared
-    `controller` (`prepare_controller`), after checking that the loop serves the call (`single`: one unpadded row,
-    `check_batched_call`); `plain_target`: the stock model where `target` is the call's verify-kernel view;
-    `prompt_lookup`: default `drafter.prompt_lookup`; `compiled`: the target's compiled call, for the forwards
-    after the prefill, over a static cache of `capacity` slots."""
-    check_batched_call(target, drafter, generation_config, stopping_criteria, streamer, model_kwargs, single)
-    batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
-    # the guard judges the batch as a whole (its rounds are shared); each row gets its own copy of the rest
-    guard, per_row = None, controller
-    if isinstance(controller, SpeculationGuard):
-        guard, per_row = controller.for_request(), controller.inner
-    controllers = [per_row.for_request() for _ in range(input_ids.shape[0])]
-    for each in [guard, *controllers] if guard is not None else controllers:
-        each.use_cost_model(batch_cost)
-    decoder = (decoder_class or BatchedSpeculativeDecoder)(
-        target,
-        drafter,
-        controllers,
-        guard,
-        input_ids,
-        generation_config,
-        logits_processor,
-        stopping_criteria,
-        model_kwargs,
-        hidden_states_to_keep(drafter, controller, bool(generation_config.output_hidden_states) or bool(compiled)),
-        streamer,
-        plain_target,
-        drafter.prompt_lookup if prompt_lookup is None else bool(prompt_lookup),
-        compiled,
-        capacity,
-    )
-    drafter.last_stats = decoder.call_stats
-    return decoder

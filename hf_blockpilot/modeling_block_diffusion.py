@@ -443,18 +443,12 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
             )
         unknown = sorted(info.get("unexpected_keys", ()))
         absent = sorted(set(info.get("missing_keys", ())) - {"d2t"})
-        if unknown or absent:
+        problems = [f"weights this drafter does not use {unknown[:6]}"] * bool(unknown)
+        problems += [f"weights it needs but the checkpoint lacks {absent[:6]}"] * bool(absent)
+        if problems:
             raise ValueError(
-                f"{source} does not match its config: "
-                + "; ".join(
-                    part
-                    for part in (
-                        f"weights this drafter does not use {unknown[:6]}" if unknown else "",
-                        f"weights it needs but the checkpoint lacks {absent[:6]}" if absent else "",
-                    )
-                    if part
-                )
-                + " (a DFlash 2 checkpoint declares architectures=['DFlash2DraftModel'] and its sizes in dflash_config)"
+                f"{source} does not match its config: {'; '.join(problems)} (a DFlash 2 checkpoint declares "
+                "architectures=['DFlash2DraftModel'] and its sizes in dflash_config)"
             )
         drafter._check_draft_vocabulary(str(source))
         if policy is not None:
@@ -584,46 +578,43 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
 
     # ----------------------------------------------------------------------------------- compatibility
     def check_compatible(self, target: PreTrainedModel) -> None:
-        """Raise a `ValueError` naming the mismatch if this drafter cannot serve `target`."""
+        """Raise a `ValueError` naming every mismatch if this drafter cannot serve `target`."""
         text_config = target.config.get_text_config()
         name = getattr(target.config, "_name_or_path", "") or type(target).__name__
-        fix = (
-            "Use a drafter trained for this target (e.g. z-lab/Qwen3-4B-DFlash-b16 for Qwen/Qwen3-4B), or build one "
-            "with BlockDiffusionDrafter.from_target(target) and train it."
-        )
+        layers, rows = text_config.num_hidden_layers, target.get_input_embeddings().weight.shape[0]
+        problems = []
         if self.config.hidden_size != text_config.hidden_size:
-            raise ValueError(
+            problems.append(
                 f"drafter hidden_size={self.config.hidden_size} but target {name} has hidden_size="
-                f"{text_config.hidden_size}: the drafter was built for another target. {fix}"
+                f"{text_config.hidden_size}: the drafter was built for another target"
             )
-        num_layers = text_config.num_hidden_layers
-        if self.config.num_target_layers is not None and self.config.num_target_layers != num_layers:
-            raise ValueError(
-                f"drafter was built for a target with {self.config.num_target_layers} layers but {name} has "
-                f"{num_layers}. {fix}"
+        if self.config.num_target_layers is not None and self.config.num_target_layers != layers:
+            problems.append(
+                f"drafter was built for a target with {self.config.num_target_layers} layers but {name} has {layers}"
             )
-        bad = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
+        bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
         if bad:
-            raise ValueError(
+            problems.append(
                 f"drafter target_layer_ids {self.target_layer_ids} contain {bad}, out of range for a target with "
-                f"{num_layers} layers (valid: 0..{num_layers - 1}). {fix}"
+                f"{layers} layers (valid: 0..{layers - 1})"
             )
-        embeddings = target.get_input_embeddings()
-        num_embeddings = embeddings.weight.shape[0]
-        if self.config.vocab_size != num_embeddings:
+        if self.config.vocab_size != rows:
+            problems.append(
+                f"drafter vocab_size={self.config.vocab_size} but target {name} has {rows} embedding rows: "
+                "wrong vocabulary"
+            )
+        if self.d2t is not None and int(self.d2t.max()) >= rows:
+            problems.append(f"drafter d2t maps to ids >= {rows}, outside the target's vocabulary")
+        if problems:
             raise ValueError(
-                f"drafter vocab_size={self.config.vocab_size} but target {name} has {num_embeddings} embedding rows: "
-                f"wrong vocabulary. {fix}"
+                "; ".join(problems) + ". Use a drafter trained for this target (e.g. z-lab/Qwen3-4B-DFlash-b16 for "
+                "Qwen/Qwen3-4B), or build one with BlockDiffusionDrafter.from_target(target) and train it."
             )
-        mask_id = self.mask_token_id
-        if mask_id is None or not 0 <= mask_id < num_embeddings:
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < rows:
             raise ValueError(
-                f"drafter mask_token_id={mask_id} is not a row of the target's embedding table "
-                f"(0..{num_embeddings - 1})."
-                " Set `dflash_config.mask_token_id` to an id the target never produces."
+                f"drafter mask_token_id={self.mask_token_id} is not a row of the target's embedding table "
+                f"(0..{rows - 1}). Set `dflash_config.mask_token_id` to an id the target never produces."
             )
-        if self.d2t is not None and int(self.d2t.max()) >= num_embeddings:
-            raise ValueError(f"drafter d2t maps to ids >= {num_embeddings}, outside the target's vocabulary. {fix}")
 
     # -------------------------------------------------------------------------------------- construction
     @classmethod

@@ -108,13 +108,6 @@ def prefill_features(
     return torch.cat(parts + [stats]).unsqueeze(0)
 
 
-def last_token_logits(outputs: Any, lm_head: nn.Module) -> torch.Tensor:
-    """(1, V) the target's raw next-token logits after the prompt, recomputed from the final hidden state (see
-    `prefill_features` for why not `outputs.logits`): the input of an architecture `"last-logits-mlp"` policy."""
-    last = outputs.hidden_states[-1][:, -1]
-    return lm_head(last.to(lm_head.weight.dtype)).float()
-
-
 class LastLogitsMLP(nn.Module):
     """The BlockPilot authors' predictor (AMAP-ML/BlockPilot `utils/predict.py`), with their parameter names:
     `layers.0` vocab -> width, `layers.1..` width -> width with a residual, ReLU after each, `fc_out` -> classes."""
@@ -557,7 +550,10 @@ class LastLogitsMLPPolicy(BlockPilotPolicy):
         self.to(self.parameter_dtype)
 
     def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
-        return last_token_logits(prefill_outputs, lm_head)
+        """(1, V) the target's raw next-token logits after the prompt, recomputed from the final hidden state (see
+        `prefill_features` for why not `outputs.logits`)."""
+        last = prefill_outputs.hidden_states[-1][:, -1]
+        return lm_head(last.to(lm_head.weight.dtype)).float()
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Outputs per candidate for (batch, V) last-token logits."""

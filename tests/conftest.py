@@ -19,8 +19,8 @@ from transformers import (
 )
 
 import hf_blockpilot  # noqa: F401  (installs the generate() routing)
-import hf_blockpilot.custom_generate as custom_generate_module
 from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot.batched import BatchedSpeculativeDecoder
 
 # Decisions weigh the shipped fallback costs unless a test calibrates (monkeypatching the variable): timing
 # tiny models is noise, and tests must not write to the user's cache.
@@ -153,14 +153,13 @@ def greedy_generate(target, prompt, max_new_tokens, eos, **kwargs):
 def built_decoders(monkeypatch):
     """Collect the decoders (`BatchedSpeculativeDecoder`) block-diffusion calls build (behaviour unchanged)."""
     built = []
-    build = custom_generate_module.build_decoder
+    run = BatchedSpeculativeDecoder.run
 
-    def spy(*args, **kwargs):
-        decoder = build(*args, **kwargs)
+    def spy(decoder):
         built.append(decoder)
-        return decoder
+        return run(decoder)
 
-    monkeypatch.setattr(custom_generate_module, "build_decoder", spy)
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "run", spy)
     return built
 
 

@@ -335,8 +335,8 @@ def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(tar
     """Where Transformers keeps a selection at its positions (5.23), the loop asks for just those states, and
     the drafter's context and the policy's features are the same as from the full tuple."""
     from hf_blockpilot._compat import SELECTION_KEEPS_POSITIONS
+    from hf_blockpilot.batched import hidden_states_to_keep
     from hf_blockpilot.controllers import resolve_controller
-    from hf_blockpilot.custom_generate import hidden_states_to_keep
 
     drafter = make_drafter(target, block_size=4)
     drafter.set_policy(make_policy(target, drafter))

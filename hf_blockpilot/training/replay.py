@@ -19,7 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from ..batched import BatchedSpeculativeDecoder
 from ..controllers import DraftController
-from ..custom_generate import build_decoder, prepare_controller
+from ..custom_generate import prepare_controller
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from .calibration import RoundRecorder
 
@@ -108,7 +108,8 @@ def replay_decoder(
     config = GenerationConfig(max_length=prompt_len + max_new_tokens, do_sample=processors is not None)
     config._eos_token_tensor = torch.tensor(list(eos_token_ids), device=prompt.device) if eos_token_ids else None
     prepared = prepare_controller(target, drafter, controller)
-    decoder = build_decoder(
+    decoder_class = BatchedSpeculativeDecoder if on_round is None else ExpectedRoundsDecoder
+    decoder = decoder_class(
         ReplayTarget(target, hidden_states, sequence),
         drafter,
         prepared,
@@ -118,8 +119,6 @@ def replay_decoder(
         [],
         None,
         {"cache": _EmptyCache()},
-        single=True,
-        decoder_class=BatchedSpeculativeDecoder if on_round is None else ExpectedRoundsDecoder,
     )
     if on_round is not None:
         decoder.on_round = on_round
