@@ -39,7 +39,7 @@ from transformers.generation.stopping_criteria import (
 from ._compat import SELECTION_KEEPS_POSITIONS, cache_argument
 from .controllers import DraftController, DraftedRound, SpeculationGuard, fastest_width
 from .costs import MIN_PREDICTED_GAIN
-from .cpu_kernels import slot_key_lengths
+from .exact_verify import slot_key_lengths
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
 from .prompt_lookup import NgramLookup
 from .stats import BatchSpeculationStats, SpeculationStats

@@ -22,8 +22,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batched import BatchedSpeculativeDecoder, static_capacity
 from .controllers import DraftController, resolve_controller
 from .costs import CostModel
-from .cpu_kernels import use_verify_kernels
 from .device_calibration import compiled_cost_model, resolve_cost_model
+from .exact_verify import verify_view
 from .modeling_block_diffusion import BlockDiffusionDrafter
 
 #: `generate(..., compile=True)`: inductor, shapes made dynamic where they vary, graph breaks allowed.
@@ -79,7 +79,7 @@ def generate(
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
     decoder = BatchedSpeculativeDecoder(
-        model if compile else use_verify_kernels(model, rows),  # compiled forwards take no exact path (warned)
+        model if compile else verify_view(model, rows),  # compiled forwards take no exact path (warned)
         drafter,
         controller,
         input_ids,

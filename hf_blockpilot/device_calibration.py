@@ -38,11 +38,11 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, runs_bf16_natively
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .cpu_kernels import (
+from .exact_verify import (
     remember_row_exact,
     row_exact_table,
     slot_key_lengths,
-    use_verify_kernels,
+    verify_view,
 )
 from .modeling_block_diffusion import DraftContextCache
 
@@ -184,7 +184,7 @@ class Calibration:
     """One device's measured costs for one target + drafter pair.
 
     `cost_model.target_ms`: a target forward over n tokens as `generate` verifies (on CPU: the exact path).
-    `row_exact`: this machine's `row_exact_rows` of the target's linear layers (`cpu_kernels.row_exact_table`), so
+    `row_exact`: this machine's `row_exact_rows` of the target's linear layers (`exact_verify.row_exact_table`), so
     later processes skip that probe.
     """
 
@@ -311,7 +311,7 @@ def _same_as_steps(
 
 @torch.inference_mode()
 def probe_exact_verify(target: PreTrainedModel, widths: Iterable[int], context_tokens: int = 64) -> list[int]:
-    """The token counts among `widths` whose verify forward, run as `generate` runs it (`use_verify_kernels`),
+    """The token counts among `widths` whose verify forward, run as `generate` runs it (`verify_view`),
     does NOT give every row the logits and cached keys/values that plain decoding's one-token
     steps give, bit for bit, after the same random `context_tokens`-token prefill. Empty: greedy speculative
     decoding is token-identical to plain `generate` here, in this dtype."""
@@ -321,7 +321,7 @@ def probe_exact_verify(target: PreTrainedModel, widths: Iterable[int], context_t
     ids, cache, steps, plain_cache = _plain_steps(target, context_tokens, max(widths))
     argument = cache_argument(target)
     inexact = []
-    model = use_verify_kernels(target)
+    model = verify_view(target)
     for n in widths:
         with slot_key_lengths([context_tokens], [n], masked=False):
             logits = model(ids[:, context_tokens : context_tokens + n], **{argument: cache}).logits
@@ -388,7 +388,7 @@ def _forward_ms(
     batch_size: int = 1,
 ) -> dict[Any, float]:
     """Median ms (`interleaved_median_ms`, with a progress bar) of what a calibration times, over `batch_size` rows
-    after a cached context: target forwards over n tokens a row as `generate` verifies (`use_verify_kernels`), the
+    after a cached context: target forwards over n tokens a row as `generate` verifies (`verify_view`), the
     drafter per width, and for one row the sampling work (one row processed, one draw)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
@@ -444,7 +444,7 @@ def _forward_ms(
     fns: dict[Any, Callable[[], None]] = {("drafter", n): draft(n) for n in widths if n > 1}
     if batch_size == 1:
         fns.update(sampling_process=process_row, sampling_draw=draw)
-    model = use_verify_kernels(target, batch_size)  # made once, outside the timings
+    model = verify_view(target, batch_size)  # made once, outside the timings
     fns = {("target", n): verify(n, model) for n in widths} | fns
     batch = f"batch {batch_size} " if batch_size > 1 else ""
     with tqdm(

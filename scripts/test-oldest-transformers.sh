@@ -13,5 +13,5 @@ python -m pip install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || t
 export HF_HUB_OFFLINE=1
 python -m pytest -q -p no:cacheprovider tests/test_greedy_equivalence.py tests/test_context.py tests/test_sampling.py \
     tests/test_generate_features.py tests/test_errors_and_routing.py tests/test_zlab_format.py tests/test_oracle.py \
-    tests/test_policy.py tests/test_attention.py tests/test_cpu_kernels.py tests/test_prompt_lookup.py \
+    tests/test_policy.py tests/test_attention.py tests/test_exact_verify.py tests/test_prompt_lookup.py \
     tests/test_controllers.py tests/test_calibration.py tests/test_layout.py tests/test_batched.py tests/test_compile.py

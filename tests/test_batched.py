@@ -488,13 +488,13 @@ def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
     path (one product over every slot) does not: the negative control."""
     from torch.nn import functional
 
-    from hf_blockpilot import cpu_kernels
+    from hf_blockpilot import exact_verify
 
     batch = 4
     monkeypatch.setattr(functional, "linear", _rounds_by_row_count(functional.linear, batch))
-    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
     target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=7)
-    assert cpu_kernels.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
+    assert exact_verify.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
 
     def speculative(ids, mask, eos, expected):
         drafter = BatchScriptedDrafter.from_target(target, block_size=4).eval()
@@ -505,7 +505,7 @@ def test_batched_rows_identical_where_the_gemm_rounds_by_row_count(monkeypatch):
         return _rows_match_plain(target, cases, 300, speculative)
 
     assert all(run_cases(6))
-    monkeypatch.setattr(cpu_kernels, "needs_exact_verify", lambda model: False)
+    monkeypatch.setattr(exact_verify, "needs_exact_verify", lambda model: False)
     assert not all(run_cases(6))  # the stock path: the simulated rounding shows
 
 
@@ -516,11 +516,11 @@ def test_plain_steps_of_a_batch_take_the_stock_model_only_in_lockstep(monkeypatc
     `generate`'s. Negative control: the stock model after a row has left computes smaller products."""
     from torch.nn import functional
 
-    from hf_blockpilot import cpu_kernels
+    from hf_blockpilot import exact_verify
 
     batch = 4
     monkeypatch.setattr(functional, "linear", _rounds_by_row_count(functional.linear, batch))
-    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
     target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=8)
     drafter = make_drafter(target, block_size=4)
 

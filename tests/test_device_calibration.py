@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import greedy_generate, make_drafter, make_target
 
-from hf_blockpilot import cpu_kernels, device_calibration
+from hf_blockpilot import device_calibration, exact_verify
 from hf_blockpilot.controllers import AdaptiveVerify, DraftController
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.device_calibration import (
@@ -122,15 +122,15 @@ def test_a_cached_calibration_brings_back_the_row_exactness_probe(calibrating, m
     """The per-weight row probe is a property of the machine: cached with the calibration, later processes take
     it from there instead of probing again in their first `generate`."""
     target, drafter = pair()
-    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})  # nothing probed in this process yet
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})  # nothing probed in this process yet
     resolve_cost_model(target, drafter)
-    probed = dict(cpu_kernels._row_exact_rows)
+    probed = dict(exact_verify._row_exact_rows)
     saved = json.loads(calibration_path(device_fingerprint(target, drafter)).read_text())["row_exact"]
-    assert saved and saved == cpu_kernels.row_exact_table(target)
-    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    assert saved and saved == exact_verify.row_exact_table(target)
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
     forget_resolved()  # a new process: reads the cache
     resolve_cost_model(target, drafter)
-    assert len(calibrating) == 1 and cpu_kernels._row_exact_rows == probed
+    assert len(calibrating) == 1 and exact_verify._row_exact_rows == probed
 
 
 def test_a_changed_fingerprint_recalibrates(calibrating, monkeypatch):
@@ -182,14 +182,14 @@ def test_opting_out_or_passing_costs_skips_calibration(calibrating, monkeypatch)
 def test_generate_calibrates_on_first_use_and_verifies_on_the_exact_path(calibrating, monkeypatch):
     target, drafter = pair()
     views = []
-    real = cpu_kernels.call_view
-    monkeypatch.setattr(cpu_kernels, "call_view", lambda model: views.append(real(model)) or views[-1])
+    real = exact_verify.call_view
+    monkeypatch.setattr(exact_verify, "call_view", lambda model: views.append(real(model)) or views[-1])
     prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     plain = greedy_generate(target, prompt, 12, None)
     out = greedy_generate(target, prompt, 12, None, assistant_model=drafter, draft_controller=DraftController(4))
     assert torch.equal(out, plain) and len(calibrating) == 1
     assert drafter.last_stats.cost_model_source.startswith("calibrated on")
-    assert views and views[-1].config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
+    assert views and views[-1].config._attn_implementation == exact_verify.SLOTWISE_EXACT_ATTENTION
     assert target.config._attn_implementation == "sdpa"  # switched back after the call
 
 

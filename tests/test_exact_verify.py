@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import make_drafter, make_target
 from transformers import DynamicCache
 
-from hf_blockpilot import DraftController, cpu_kernels
+from hf_blockpilot import DraftController, exact_verify
 from hf_blockpilot._compat import cache_argument
 
 
@@ -35,20 +35,20 @@ def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtyp
     target = make_target(family, vocab_size=48, hidden_size=64, seed=1).to(dtype)
     gen = torch.Generator().manual_seed(1)
     prompt, block = torch.randint(3, 48, (1, 30), generator=gen), torch.randint(3, 48, (1, 6), generator=gen)
-    assert cpu_kernels.needs_exact_verify(target)
+    assert exact_verify.needs_exact_verify(target)
     argument = cache_argument(target)
     with torch.no_grad():
         steps_cache, block_cache = DynamicCache(), DynamicCache()
         target(prompt, **{argument: steps_cache})
         target(prompt, **{argument: block_cache})
         steps = torch.cat([target(block[:, i : i + 1], **{argument: steps_cache}).logits for i in range(6)], 1)
-        model = cpu_kernels.use_verify_kernels(target)
-        assert model.config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
+        model = exact_verify.verify_view(target)
+        assert model.config._attn_implementation == exact_verify.SLOTWISE_EXACT_ATTENTION
         assert any("forward" in module.__dict__ for module in model.modules())
         # the call's own view: the shared model is untouched while it runs
         assert target.config._attn_implementation == "sdpa"
         assert not any("forward" in module.__dict__ for module in target.modules())
-        with cpu_kernels.slot_key_lengths([30], [6], masked=False):  # 30 cached, 6 verified
+        with exact_verify.slot_key_lengths([30], [6], masked=False):  # 30 cached, 6 verified
             verified = model(block, **{argument: block_cache}).logits
         prefill = model(prompt).logits  # not a verify forward: the stock path, as plain decoding's prefill
     assert torch.equal(verified, steps)
@@ -79,7 +79,7 @@ def test_row_exact_linears_round_every_row_as_it_rounds_alone():
     """A verify multiplies more rows than a plain step; in chunks of at most `row_exact_rows` (probed per shape:
     1 for MKL's float32 GEMM, 33 rows for oneDNN's AMX bfloat16 kernels on some shapes), every row equals its
     one-row product, on whatever kernels this CPU has."""
-    from hf_blockpilot.cpu_kernels import ROW_PROBE_LIMIT, row_exact_rows, slot_key_lengths, use_row_exact_linears
+    from hf_blockpilot.exact_verify import ROW_PROBE_LIMIT, row_exact_rows, slot_key_lengths, use_row_exact_linears
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -109,13 +109,13 @@ def test_a_padded_single_row_verifies_on_the_exact_path(dtype, monkeypatch):
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=4).to(dtype)
     drafter = make_drafter(target, block_size=5, seed=4, scale=4.0).to(dtype)
     views = []
-    real = custom_generate_module.use_verify_kernels
+    real = custom_generate_module.verify_view
 
     def recording(*args):
         views.append(real(*args))
         return views[-1]
 
-    monkeypatch.setattr(custom_generate_module, "use_verify_kernels", recording)
+    monkeypatch.setattr(custom_generate_module, "verify_view", recording)
     accepted = 0
     for case in range(4):
         prompt = torch.randint(3, 48, (1, 6 + 4 * case), generator=torch.Generator().manual_seed(case))
@@ -126,7 +126,7 @@ def test_a_padded_single_row_verifies_on_the_exact_path(dtype, monkeypatch):
         out = target.generate(ids, assistant_model=drafter, draft_controller=DraftController(5), **kwargs)
         assert torch.equal(out, plain), case
         assert views[-1] is not target
-        assert views[-1].config._attn_implementation == cpu_kernels.SLOTWISE_EXACT_ATTENTION
+        assert views[-1].config._attn_implementation == exact_verify.SLOTWISE_EXACT_ATTENTION
         accepted += sum(drafter.last_stats.accepted_per_round)
     assert accepted > 0
 
@@ -151,14 +151,14 @@ def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypa
     target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=2)
     drafter = make_drafter(target, block_size=5, seed=2, scale=4.0)
     monkeypatch.setattr(F, "linear", _rounds_unlike_one_row(F.linear))
-    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
-    assert cpu_kernels.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
+    assert exact_verify.row_exact_rows(target.model.layers[0].mlp.down_proj.weight) == 1
     assert probe_exact_verify(target, [2, 4, 5]) == []  # the exact path splits every verify into single rows
-    monkeypatch.setattr(cpu_kernels, "needs_exact_verify", lambda model: False)
+    monkeypatch.setattr(exact_verify, "needs_exact_verify", lambda model: False)
     assert probe_exact_verify(target, [2, 4, 5]) == [2, 4, 5]  # the stock kernels: caught
     monkeypatch.undo()
     monkeypatch.setattr(F, "linear", _rounds_unlike_one_row(F.linear))
-    monkeypatch.setattr(cpu_kernels, "_row_exact_rows", {})
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
     for case in range(4):
         prompt = torch.randint(3, 48, (1, 6 + 3 * case), generator=torch.Generator().manual_seed(case))
         kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)

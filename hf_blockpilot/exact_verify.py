@@ -1,7 +1,7 @@
 """The exact verify path on CPU: verify forwards that round as plain decoding's one-token steps.
 
 CPU kernels round a forward over several tokens unlike one-token steps, so a near-tie can flip a greedy choice.
-`use_verify_kernels` (the one place that decides how a call verifies) gives each call its own view of the target
+`verify_view` (the one place that decides how a call verifies) gives each call its own view of the target
 in which a verify forward computes attention one query at a time (`slotwise_exact_attention`) and linear layers
 in products of as many rows as this machine's kernels round alike (`row_exact_rows`). Calibration probes the
 whole path (`probe_exact_verify`) and times it, so decisions weigh its cost (docs/exactness.md: which kernels
@@ -99,7 +99,7 @@ AttentionMaskInterface.register(SLOTWISE_EXACT_ATTENTION, sdpa_mask)
 
 
 def needs_exact_verify(model: nn.Module) -> bool:
-    """Whether a verify forward of `model` takes the exact path (`use_verify_kernels`): every model on CPU, whose
+    """Whether a verify forward of `model` takes the exact path (`verify_view`): every model on CPU, whose
     kernels round k rows or masked queries unlike one on every CPU seen (docs/exactness.md)."""
     return next(model.parameters()).device.type == "cpu"
 
@@ -200,7 +200,7 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
 
 def call_view(model: nn.Module) -> nn.Module:
     """A view of `model` for one call: every module shallow-copied (no tensor copied; its parameter, buffer and hook
-    tables and the config copied), so kernels switched on in the view and hooks Transformers attaches during the
+    tables and the config copied), so the exact path switched on in the view and hooks Transformers attaches during the
     call are that call's own: another thread or call using `model` never sees them."""
     config = getattr(model, "config", None)
     own = copy.copy(config)
@@ -222,7 +222,7 @@ def call_view(model: nn.Module) -> nn.Module:
     return view_of(model)
 
 
-def use_verify_kernels(target: nn.Module, batch_size: int = 1) -> nn.Module:
+def verify_view(target: nn.Module, batch_size: int = 1) -> nn.Module:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
     same): on CPU (`needs_exact_verify`) a `call_view` of `target` on the exact path, `slotwise_exact_attention`
     with `use_row_exact_linears` for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`,
