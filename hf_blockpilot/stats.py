@@ -4,7 +4,7 @@ call returns a `BatchSpeculationStats`, with one `SpeculationStats` per row."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -122,6 +122,6 @@ class BatchSpeculationStats:
         return sum(rounds) / len(rounds) if rounds else 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        totals = {name: value for name, value in asdict(self).items() if name != "rows"}
+        totals = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rows"}
         derived = {"new_tokens": self.new_tokens, "tau": self.tau, "acceptance_length": self.acceptance_length}
         return totals | derived | {"rows": [row.to_dict() for row in self.rows]}
