@@ -18,9 +18,10 @@ except ImportError:
 
 
 def runs_bf16_natively(device: torch.device | str) -> bool:
-    """Whether bfloat16 matrix products run natively (faster than float32) on `device`: CUDA GPUs with bf16
-    support, CPUs with AMX or AVX-512 BF16. Elsewhere, e.g. on AVX2-only CPUs, bf16 is emulated and much
-    slower (docs/design-measurements.md)."""
+    """Whether bfloat16 matrix products of many rows run natively (faster than float32) on `device`: CUDA GPUs
+    with bf16 support, CPUs with AMX or AVX-512 BF16. Elsewhere, e.g. on AVX2-only CPUs, they are emulated and
+    much slower (docs/design-measurements.md), so training keeps float32 there. Decoding is timed instead
+    (`decode_dtypes`)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -28,6 +29,19 @@ def runs_bf16_natively(device: torch.device | str) -> bool:
         probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
         return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
     return False
+
+
+def decode_dtypes(device: torch.device | str) -> list[torch.dtype]:
+    """The dtypes decoding may be fastest in on `device`, to be timed, not assumed: float32 and bfloat16 on every
+    CPU (a one-token step reads each weight once, so half-size weights can pay even where bfloat16 products are
+    emulated: on an AVX2-only Zen 3 plain bfloat16 decoded 1.67x faster than float32), float32 and bfloat16 (float16
+    without bf16 support) on CUDA, float32 elsewhere."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [torch.float32, torch.bfloat16]
+    if device.type == "cuda":
+        return [torch.float32, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
+    return [torch.float32]
 
 
 def cache_argument(model: PreTrainedModel) -> str:

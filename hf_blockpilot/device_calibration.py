@@ -36,7 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
-from ._compat import cache_argument, runs_bf16_natively
+from ._compat import cache_argument, decode_dtypes
 from .costs import PRIOR_ACCEPTANCE, CostModel
 from .exact_verify import (
     remember_row_exact,
@@ -592,20 +592,20 @@ def forget_resolved() -> None:
 
 
 def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
-    """The dtype `--dtype auto` decodes in (`target` and `drafter` in float32): float32 or the device's native
-    half type (bfloat16 where its matrix products run it natively: AMX or AVX512-BF16 CPUs, CUDA GPUs with bf16;
-    float16 on other CUDA GPUs), whichever this machine's calibration of a copy of the pair expects to decode
-    faster (its best width, plain steps included) among those whose verifies were probed exact. Where neither
-    was (CUDA: cuBLAS rounds k rows unlike one in both), float32, whose near-ties flip least. float32 on other
-    devices and with calibration off."""
-    device = next(target.parameters()).device
-    half = torch.bfloat16 if runs_bf16_natively(device) else torch.float16 if device.type == "cuda" else None
-    if half is None or not calibration_enabled():
+    """The dtype `--dtype auto` decodes in (`target` and `drafter` in float32): among `decode_dtypes` (float32 and
+    bfloat16 on every CPU, timed rather than assumed), the one this machine's calibration of a copy of the pair
+    expects to decode fastest (its best width, plain steps included) among those whose verifies were probed
+    exact. Where none was (CUDA: cuBLAS rounds k rows unlike one), float32, whose near-ties flip least. float32
+    with calibration off."""
+    dtypes = decode_dtypes(next(target.parameters()).device)
+    if len(dtypes) == 1 or not calibration_enabled():
         return torch.float32
     widths = range(1, max(DEFAULT_WIDTHS) + 1)
     costs = {
-        torch.float32: resolve_cost_model(target, drafter),
-        half: resolve_cost_model(copy.deepcopy(target).to(half), copy.deepcopy(drafter).to(half)),
+        dtype: resolve_cost_model(
+            *(m if dtype == torch.float32 else copy.deepcopy(m).to(dtype) for m in (target, drafter))
+        )
+        for dtype in dtypes
     }
     exact = [dtype for dtype, cost in costs.items() if not cost.inexact_rows]
     return max(

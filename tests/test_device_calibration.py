@@ -194,29 +194,31 @@ def test_generate_calibrates_on_first_use_and_verifies_on_the_exact_path(calibra
 
 
 @pytest.mark.parametrize(
-    "bf16_verify_ms, bf16_inexact, float32_inexact, expected",
+    "bf16_ms, bf16_inexact, float32_inexact, expected",
     [
         (11.0, [], [], torch.bfloat16),
         (60.0, [], [], torch.float32),
         (11.0, [4], [], torch.float32),
         (60.0, [], [4], torch.bfloat16),  # the only exact one, though slower
         (11.0, [4], [4], torch.float32),  # neither exact (CUDA): the one whose near-ties flip least
+        # an AVX2-only Zen 3: bf16 products emulated, verifies dear, yet its plain step is the fastest decoding
+        ((6.0, 80.0), [], [], torch.bfloat16),
     ],
 )
-def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_lossless_speculation(
-    calibrating, monkeypatch, bf16_verify_ms, bf16_inexact, float32_inexact, expected
+def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_lossless_decoding(
+    calibrating, monkeypatch, bf16_ms, bf16_inexact, float32_inexact, expected
 ):
-    """Native bf16 matmul: a bf16 copy is calibrated; bfloat16 when it expects more tokens per ms among the
-    dtypes whose verify was probed exact."""
+    """On every CPU, whatever its flags, a bf16 copy is calibrated; bfloat16 when it expects more tokens per ms
+    (speculative or plain) among the dtypes whose verify was probed exact."""
+    plain_ms, verify_ms = bf16_ms if isinstance(bf16_ms, tuple) else (10.0, bf16_ms)
     costs = {
         torch.float32: CostModel(
             target_ms={1: 10.0, 16: 30.0}, drafter_ms={2: 1.0, 16: 1.0}, inexact_rows=float32_inexact
         ),
         torch.bfloat16: CostModel(
-            target_ms={1: 10.0, 16: bf16_verify_ms}, drafter_ms={2: 1.0, 16: 1.0}, inexact_rows=bf16_inexact
+            target_ms={1: plain_ms, 16: verify_ms}, drafter_ms={2: 1.0, 16: 1.0}, inexact_rows=bf16_inexact
         ),
     }
-    monkeypatch.setattr(device_calibration, "runs_bf16_natively", lambda device: True)
     monkeypatch.setattr(
         device_calibration,
         "resolve_cost_model",
@@ -225,5 +227,3 @@ def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_los
     target, drafter = pair()
     assert device_calibration.preferred_dtype(target, drafter) == expected
     assert next(target.parameters()).dtype == torch.float32  # the copy was calibrated, not the model
-    monkeypatch.setattr(device_calibration, "runs_bf16_natively", lambda device: False)
-    assert device_calibration.preferred_dtype(target, drafter) == torch.float32  # emulated bf16: never

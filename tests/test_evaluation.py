@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
+from hf_blockpilot._compat import decode_dtypes
 from hf_blockpilot.data import PromptRecord, chat_inputs
-from hf_blockpilot.tools.evaluation import decode_methods, measure_tau, native_dtypes
+from hf_blockpilot.tools.evaluation import decode_methods, measure_tau
 
 
 def test_measure_tau_pools_the_generators_statistics():
@@ -109,7 +110,7 @@ def test_decode_methods_interleaves_the_methods_across_repeats(monkeypatch):
         repeats=3,
     )
     # round-robin, not all repeats of one method in a row; `default` is what generate runs with no controller
-    plains = ["torch.float32"] + [str(d) for d in native_dtypes("cpu") if d != torch.float32]
+    plains = ["torch.float32"] + [str(d) for d in decode_dtypes("cpu") if d != torch.float32]
     assert order == [*plains, "fixed(b=2)", "fixed(b=4)", "policy", "guarded(fixed(b=4))"] * 3
     other = [f"plain {d.removeprefix('torch.')}" for d in plains[1:]]
     assert [r.method for r in results] == ["plain", *other, "b=2", "b=4", "policy", "default"]

@@ -89,9 +89,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        help="float32, bfloat16, float16, or auto (default): the device's native half type (bfloat16 on CPUs with "
-        "AMX or AVX512-BF16 and on GPUs) where this machine's calibration probed its verifies exact and expects it "
-        "faster, else float32",
+        help="float32, bfloat16, float16, or auto (default): the dtype this machine's calibration expects to decode "
+        "fastest in among float32 and bfloat16 (float16 on GPUs without bf16), of those whose verifies it probed "
+        "exact",
     )
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
 

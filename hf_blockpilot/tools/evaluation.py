@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .._compat import runs_bf16_natively
+from .._compat import decode_dtypes
 from ..controllers import (
     BlockSizePolicy,
     DraftController,
@@ -68,22 +68,13 @@ def timed_generate(
     return TimedRun(out.sequences, seconds, getattr(out, "speculation_stats", None))
 
 
-def native_dtypes(device: torch.device | str) -> list[torch.dtype]:
-    """The dtypes plain decoding runs natively on `device`: float32, and bfloat16 where its matrix products run
-    natively (`runs_bf16_natively`: AMX or AVX512-BF16 CPUs, CUDA GPUs with bf16), float16 on other CUDA GPUs."""
-    device = torch.device(device)
-    if runs_bf16_natively(device):
-        return [torch.float32, torch.bfloat16]
-    return [torch.float32, torch.float16] if device.type == "cuda" else [torch.float32]
-
-
 def plain_in_other_dtypes(target: PreTrainedModel) -> dict[str, PreTrainedModel]:
-    """Copies of `target` in each native dtype other than its own (`native_dtypes`), by dtype name: what plain
-    decoding is timed in to find the fastest plain configuration of the machine."""
+    """Copies of `target` in each dtype other than its own that decoding may be fastest in (`decode_dtypes`), by
+    dtype name: what plain decoding is timed in to find the fastest plain configuration of the machine."""
     own = next(target.parameters()).dtype
     return {
         str(dtype).removeprefix("torch."): copy.deepcopy(target).to(dtype)
-        for dtype in native_dtypes(target.device)
+        for dtype in decode_dtypes(target.device)
         if dtype != own
     }
 
@@ -100,7 +91,7 @@ def compare_with_plain(
 ) -> dict:
     """Speculative decoding with `controller` against plain `generate` on one prompt, all sides timed alike:
     warmed, no streaming, `repeats` runs each taken in turn, the median kept. Plain decoding is timed in the
-    target's dtype (the lossless reference: `speedup`) and in every other dtype the device runs natively; the
+    target's dtype (the lossless reference: `speedup`) and in every other dtype of `decode_dtypes`; the
     fastest of them is `fastest_plain` (`speedup_vs_fastest_plain`). `gen`: the generate arguments; `answer`:
     the output shown to the user (greedy: checked identical to plain too). `compile`: ours runs compiled, and
     plain decoding is also timed compiled over a static cache (`"<dtype> compiled"`); compile time stays in the
@@ -274,8 +265,8 @@ def decode_methods(
     controllers: Mapping[str, DraftController] | None = None,
     cost_model: CostModel | None = None,
 ) -> list[MethodResult]:
-    """Decode each prompt with plain `generate` (`plain`, and `plain <dtype>` for each other dtype the device runs
-    natively), each fixed block size, the policy's widths with every draft
+    """Decode each prompt with plain `generate` (`plain`, and `plain <dtype>` for each other dtype of
+    `decode_dtypes`), each fixed block size, the policy's widths with every draft
     verified (`policy`, if given), `default` (what `generate` runs with no `draft_controller`:
     `default_controller(drafter)`) and each named controller, every one passed per call as `draft_controller`
     (the drafter itself is left untouched).
@@ -287,7 +278,7 @@ def decode_methods(
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
     if temperature > 0:
         gen["temperature"] = temperature
-    # plain decoding in the target's dtype (the lossless reference) and in every other native dtype
+    # plain decoding in the target's dtype (the lossless reference) and in every other dtype it may be fastest in
     plains = {"plain": target} | {f"plain {dtype}": copy for dtype, copy in plain_in_other_dtypes(target).items()}
     methods: dict[str, DraftController | None] = dict.fromkeys(plains)
     methods.update({f"b={b}": DraftController(b) for b in block_sizes})
