@@ -104,9 +104,14 @@ def describe_device(device: torch.device | str) -> dict[str, Any]:
 
 
 def model_identity(model: nn.Module) -> dict[str, str]:
-    """A model's name, revision and a hash of its config (tells apart models built in memory)."""
+    """A model's name, revision and a hash of its config (tells apart models built in memory), without the dtype
+    the config records (the fingerprint has the weights' own: a model loaded in bfloat16 and a float32 one cast to
+    it share a calibration)."""
     config = model.config
-    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    fields = {
+        k: v for k, v in json.loads(config.to_json_string(use_diff=False)).items() if k not in ("dtype", "torch_dtype")
+    }
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return {
         "name": str(getattr(config, "_name_or_path", "") or ""),
         "revision": str(getattr(config, "_commit_hash", "") or ""),

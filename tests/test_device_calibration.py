@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -150,6 +151,20 @@ def test_a_changed_fingerprint_recalibrates(calibrating, monkeypatch):
     with pytest.warns(UserWarning, match="another device, dtype or model"):
         resolve_cost_model(target, drafter)
     assert len(calibrating) == 3
+
+
+def test_a_model_loaded_in_a_dtype_shares_the_calibration_of_one_cast_to_it():
+    """The fingerprint keys on the weights' dtype, not on the dtype the config recorded at loading: `--dtype
+    bfloat16` and `--dtype auto` (a float32 copy cast to bfloat16) reuse one calibration; the rest of the config
+    still tells models apart."""
+    target, drafter = pair()
+    cast = copy.deepcopy(target).to(torch.bfloat16)
+    loaded = copy.deepcopy(cast)
+    loaded.config.dtype = torch.bfloat16
+    assert device_fingerprint(loaded, drafter) == device_fingerprint(cast, drafter)
+    assert device_fingerprint(cast, drafter) != device_fingerprint(target, drafter)  # the weights' dtype differs
+    loaded.config.rms_norm_eps *= 2
+    assert device_fingerprint(loaded, drafter) != device_fingerprint(cast, drafter)
 
 
 @pytest.mark.parametrize("damage", ["{not json", '{"fingerprint": {}}', "[]"])
