@@ -300,11 +300,13 @@ def test_stdout_carries_only_the_answer_and_the_results(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.strip()]
     # a policy of fully verified labels serves as generate() serves it by default: every draft verified, guarded
     assert lines[-2].startswith("device: ") and "controller: guarded(policy)" in lines[-2] and "tau:" in lines[-2]
-    assert lines[-1].startswith("rounds (drafts verified/accepted):")
+    assert lines[-1].startswith(("rounds (drafts verified/accepted):", "rounds: none drafted"))
     assert main([*args, "--json"]) == 0
     captured = capsys.readouterr()
     assert "Loading weights" not in captured.out and "controller: guarded(policy)" in captured.err
     record = json.loads(captured.out.strip().splitlines()[-1])
+    drafted = any(verified for verified, _ in record["verified_and_accepted_per_round"])
+    assert ("rounds: none drafted" in captured.err) == (not drafted) == ("none drafted" in lines[-1])
     assert len(record["verified_and_accepted_per_round"]) == record["new_tokens"] - sum(
         a for _, a in record["verified_and_accepted_per_round"]
     )
