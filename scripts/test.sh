@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"
