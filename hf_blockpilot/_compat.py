@@ -34,7 +34,7 @@ def runs_bf16_natively(device: torch.device | str) -> bool:
 def decode_dtypes(device: torch.device | str) -> list[torch.dtype]:
     """The dtypes decoding may be fastest in on `device`, to be timed, not assumed: float32 and bfloat16 on every
     CPU (a one-token step reads each weight once, so half-size weights can pay even where bfloat16 products are
-    emulated: on an AVX2-only Zen 3 plain bfloat16 decoded 1.67x faster than float32), float32 and bfloat16 (float16
+    emulated: on an AVX2-only Zen 3 plain bfloat16 decoded 1.2-1.5x faster than float32), float32 and bfloat16 (float16
     without bf16 support) on CUDA, float32 elsewhere."""
     device = torch.device(device)
     if device.type == "cpu":
