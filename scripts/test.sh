@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
-python -m pytest -q --durations=15 "$@"
+# one worker per core (the tests run torch on one thread each), each test file on one worker
+python -m pytest -q -n auto --dist loadfile --durations=15 "$@"
