@@ -596,23 +596,26 @@ def forget_resolved() -> None:
         _resolved.clear()
 
 
-def preferred_dtype(target: PreTrainedModel, drafter: nn.Module) -> torch.dtype:
-    """The dtype `--dtype auto` decodes in (`target` and `drafter` in float32): among `decode_dtypes` (float32 and
-    bfloat16 on every CPU, timed rather than assumed), the one this machine's calibration of a copy of the pair
-    expects to decode fastest (its best width, plain steps included) among those whose verifies were probed
-    exact. Where none was (CUDA: cuBLAS rounds k rows unlike one), float32, whose near-ties flip least. float32
-    with calibration off."""
+def preferred_dtype(target: PreTrainedModel, drafter: nn.Module, batch_size: int = 1) -> torch.dtype:
+    """The dtype `--dtype auto` decodes batches of `batch_size` rows in (`target` and `drafter` in float32): among
+    `decode_dtypes` (float32 and bfloat16 on every CPU, timed rather than assumed), the one this machine's
+    calibration of a copy of the pair expects to decode fastest at that batch size (its best width, plain steps
+    included) among those whose verifies were probed exact. Where none was (CUDA: cuBLAS rounds k rows unlike one),
+    float32, whose near-ties flip least. float32 with calibration off. (On an AVX2-only Zen 3 bfloat16 decodes one
+    row fastest, float32 eight: emulated bfloat16 products pay for every row.)"""
     dtypes = decode_dtypes(next(target.parameters()).device)
     if len(dtypes) == 1 or not calibration_enabled():
         return torch.float32
     widths = range(1, max(DEFAULT_WIDTHS) + 1)
     costs = {
         dtype: resolve_cost_model(
-            *(m if dtype == torch.float32 else copy.deepcopy(m).to(dtype) for m in (target, drafter))
+            *(m if dtype == torch.float32 else copy.deepcopy(m).to(dtype) for m in (target, drafter)),
+            batch_size=batch_size,
         )
         for dtype in dtypes
     }
     exact = [dtype for dtype, cost in costs.items() if not cost.inexact_rows]
     return max(
-        exact or [torch.float32], key=lambda dtype: max(costs[dtype].tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths)
+        exact or [torch.float32],
+        key=lambda dtype: max(costs[dtype].for_batch(batch_size).tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths),
     )

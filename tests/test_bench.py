@@ -279,8 +279,33 @@ def test_batch_benchmark_times_plain_and_ours_per_batch_size(tmp_path):
     assert report["runs"][0]["padded_slots"] == 0  # one row per call: nothing to pad
     assert json.loads((out / "results.json").read_text()) == report
     table = (out / "results.md").read_text()
-    assert "| humaneval | 0 | 3 | 2 |" in table and "greedy mismatches" in table and "vs fastest plain" in table
+    assert "| humaneval | 0 | 3 | float32 | 2 |" in table and "greedy mismatches" in table and "vs fastest plain" in table
     assert (out / "throughput_vs_batch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_batch_benchmark_decodes_each_batch_size_in_the_dtype_chosen_for_it(tmp_path):
+    """`bench --batch-size --dtype auto`: both sides of each batch size run in the dtype `choose_dtype` gives for it
+    (copies of the pair), greedy rows identical to plain decoding in that dtype."""
+    from hf_blockpilot.tools.batch_bench import run_batch_benchmark
+    from hf_blockpilot.tools.loading import resolve_drafter, resolve_target
+
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    target, tokenizer = resolve_target(target_dir)
+    drafter = resolve_drafter(drafter_dir)
+    asked = []
+
+    def choose(target, drafter, batch_size):
+        asked.append((next(target.parameters()).dtype, batch_size))
+        return torch.bfloat16 if batch_size > 1 else torch.float32
+
+    report = run_batch_benchmark(
+        target, tokenizer, drafter, ["humaneval"], [1, 2], limit=2, max_new_tokens=4, choose_dtype=choose
+    )
+    assert asked == [(torch.float32, 1), (torch.float32, 2)]  # asked of the pair as given
+    assert [(r["batch_size"], r["dtype"]) for r in report["runs"]] == [(1, "float32"), (2, "bfloat16")]
+    assert all(r["mismatches"] == 0 for r in report["runs"])
+    assert next(target.parameters()).dtype == torch.float32  # the caller's pair is left as it was
+    assert "float32" in report["runs"][1]["plain_tokens_per_second_by_dtype"]  # plain timed in the other dtype too
 
 
 def test_batch_rows_are_left_padded_and_counted_up_to_their_eos():

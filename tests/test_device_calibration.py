@@ -242,3 +242,27 @@ def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_los
     target, drafter = pair()
     assert device_calibration.preferred_dtype(target, drafter) == expected
     assert next(target.parameters()).dtype == torch.float32  # the copy was calibrated, not the model
+
+
+def test_auto_dtype_is_chosen_per_batch_size(calibrating, monkeypatch):
+    """As on an AVX2-only Zen 3: bfloat16 decodes one row fastest, but its emulated products pay for every row, so
+    float32 decodes a batch of eight fastest; each batch size gets its own dtype, from its own timed batch axis."""
+    batch_costs = {torch.float32: {1: 20.0, 16: 200.0}, torch.bfloat16: {1: 60.0, 16: 600.0}}
+    plain_ms = {torch.float32: 10.0, torch.bfloat16: 6.0}
+    asked = []
+
+    def resolve(target, drafter, *args, batch_size=1, **kwargs):
+        dtype = next(target.parameters()).dtype
+        asked.append(batch_size)
+        return CostModel(
+            target_ms={1: plain_ms[dtype], 16: 20 * plain_ms[dtype]},
+            drafter_ms={2: 1.0, 16: 1.0},
+            batch_target_ms={8: batch_costs[dtype]},
+            batch_drafter_ms={8: {2: 1.0, 16: 1.0}},
+        )
+
+    monkeypatch.setattr(device_calibration, "resolve_cost_model", resolve)
+    target, drafter = pair()
+    assert device_calibration.preferred_dtype(target, drafter) == torch.bfloat16
+    assert device_calibration.preferred_dtype(target, drafter, batch_size=8) == torch.float32
+    assert set(asked) == {1, 8}  # the batch axis is timed at the size asked for

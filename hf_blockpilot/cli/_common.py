@@ -113,8 +113,12 @@ def add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
-    """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags."""
+def load_models(
+    args: argparse.Namespace, choose_dtype: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
+    """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags;
+    `--dtype auto` in the dtype expected to decode one request fastest, or float32 without `choose_dtype` (the
+    caller decides later, e.g. per batch size)."""
     from ..device_calibration import preferred_dtype
     from ..tools.loading import (
         checked_source,
@@ -131,7 +135,7 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTo
     auto = args.dtype == "auto"  # decided below, by this machine's calibration
     target, tokenizer = resolve_target(args.target, dtype="float32" if auto else args.dtype, device=args.device)
     drafter = resolve_drafter(args.drafter, dtype="float32" if auto else args.dtype, device=args.device)
-    if auto:
+    if auto and choose_dtype:
         chosen = preferred_dtype(target, drafter)
         target.to(chosen)
         drafter.to(chosen)

@@ -83,9 +83,11 @@ def cmd_batch_bench(args: argparse.Namespace) -> int:
             f"--batch-size runs the batch-size benchmark, which does not take {', '.join(given)} "
             "(per-prompt bench options): drop them, or drop --batch-size"
         )
+    from ..device_calibration import preferred_dtype
     from ..tools.batch_bench import batch_markdown_report, run_batch_benchmark
 
-    target, tokenizer, drafter = load_models(args)
+    auto = args.dtype == "auto"  # each batch size in the dtype expected to decode it fastest
+    target, tokenizer, drafter = load_models(args, choose_dtype=not auto)
     report = run_batch_benchmark(
         target,
         tokenizer,
@@ -97,6 +99,7 @@ def cmd_batch_bench(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         args.repeats,
         args.output_dir,
+        preferred_dtype if auto else None,
     )
     print(batch_markdown_report(report))
     return 0 if all(not run["mismatches"] for run in report["runs"] if run["temperature"] == 0) else 1

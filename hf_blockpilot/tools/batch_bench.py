@@ -7,8 +7,9 @@ table) and `throughput_vs_batch.png` (tokens/s against batch size, plain vs ours
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def run_batch_benchmark(
     max_new_tokens: int = 128,
     repeats: int = 1,
     output_dir: str | Path | None = None,
+    choose_dtype: Callable[[PreTrainedModel, BlockDiffusionDrafter, int], torch.dtype] | None = None,
 ) -> dict:
     """Plain batched `generate` against speculative `generate(**batch, assistant_model=drafter)` (the default
     controller) for every dataset x temperature x batch size; summarize and, with `output_dir`, save.
@@ -50,10 +52,12 @@ def run_batch_benchmark(
     `torch.inference_mode`, on the wall clock (`timed_call`); the first batch of each row count is decoded once
     untimed beforehand. A row's tokens are its new tokens up to and including its first EOS (not the padding
     after it), counted alike on both sides; at T = 0 each row's tokens are compared with plain decoding's.
+    `choose_dtype(target, drafter, B)`: the dtype both sides decode batches of B rows in (copies of the pair;
+    e.g. `preferred_dtype`); None: the pair's own.
 
     Returns the report: `machine` (`machine_info`), `settings`, and `runs`, one per (dataset, temperature,
-    batch size) with plain and ours tokens/s, `speedup` (ours / plain), plain tokens/s in every native dtype
-    (`plain_tokens_per_second_by_dtype`, copies of the target), the `fastest_plain` and
+    batch size) with its `dtype`, plain and ours tokens/s, `speedup` (ours / plain), plain tokens/s in every dtype
+    of `decode_dtypes` (`plain_tokens_per_second_by_dtype`, copies of the target), the `fastest_plain` and
     `speedup_vs_fastest_plain`, greedy `mismatches` (rows; None at
     T > 0), the mean `tau` and `acceptance_length` over batches, `padded_slots` / `verify_slots` and their
     `padded_share`, and `per_batch` details.
@@ -72,7 +76,20 @@ def run_batch_benchmark(
     eos_ids = _eos_ids(target)
     pad_token_id = _pad_token_id(target, tokenizer, eos_ids)
     controller = prepare_controller(target, drafter, None, 1)  # what `generate` runs with no draft_controller
-    other_plains = plain_in_other_dtypes(target)  # for the fastest plain configuration of the machine
+    # per dtype: the pair in it and plain copies in the others (the fastest plain configuration of the machine)
+    pairs: dict[torch.dtype, tuple[PreTrainedModel, BlockDiffusionDrafter, dict[str, PreTrainedModel]]] = {}
+
+    def pair_for(batch_size: int) -> tuple[PreTrainedModel, BlockDiffusionDrafter, dict[str, PreTrainedModel]]:
+        dtype = target.dtype if choose_dtype is None else choose_dtype(target, drafter, batch_size)
+        if dtype not in pairs:
+            models = (
+                (target, drafter)
+                if dtype == target.dtype
+                else (copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype))
+            )
+            pairs[dtype] = (*models, plain_in_other_dtypes(models[0]))
+        return pairs[dtype]
+
     report: dict = {
         "machine": machine_info(target),
         "settings": {
@@ -97,14 +114,15 @@ def run_batch_benchmark(
             for name, texts in prompts.items():
                 for batch_size in batch_sizes:
                     progress.set_postfix_str(f"{name} T={temperature:g} B={batch_size}")
+                    pair_target, pair_drafter, other_plains = pair_for(batch_size)
                     torch.manual_seed(0)
                     batches = [
                         chat_batch(tokenizer, texts[i : i + batch_size], target.device, pad_token_id)
                         for i in range(0, len(texts), batch_size)
                     ]
                     run = decode_batches(
-                        target,
-                        drafter,
+                        pair_target,
+                        pair_drafter,
                         batches,
                         temperature,
                         max_new_tokens,
@@ -114,8 +132,9 @@ def run_batch_benchmark(
                         progress,
                         other_plains,
                     )
+                    dtype = str(pair_target.dtype).removeprefix("torch.")
                     report["runs"].append(
-                        {"dataset": name, "temperature": temperature, "batch_size": batch_size, **run}
+                        {"dataset": name, "temperature": temperature, "batch_size": batch_size, "dtype": dtype, **run}
                     )
     if output_dir is not None:
         save_report(report, output_dir, batch_markdown_report, plot_throughput)
@@ -260,9 +279,9 @@ def as_batch_stats(stats: BatchSpeculationStats | SpeculationStats) -> BatchSpec
 
 
 def batch_markdown_report(report: dict) -> str:
-    """One table: per dataset, temperature and batch size, plain and ours tokens/s, speedup, the fastest plain
-    configuration (plain in the same dtype or another native one) and the speedup over it, τ, padded share of the
-    verified slots and greedy mismatches."""
+    """One table: per dataset, temperature and batch size, the dtype, plain and ours tokens/s, speedup, the fastest
+    plain configuration (plain in the same dtype or the other of `decode_dtypes`) and the speedup over it, τ, padded
+    share of the verified slots and greedy mismatches."""
     lines = [
         machine_line(report),
         "",
@@ -270,14 +289,14 @@ def batch_markdown_report(report: dict) -> str:
         "tokens counted per row up to its EOS; time: the median of "
         f"{report['settings']['repeats']} interleaved run(s) per batch, after a warm-up.",
         "",
-        "| dataset | T | B | batches | plain tokens/s | ours tokens/s | speedup | fastest plain (tokens/s) "
+        "| dataset | T | B | dtype | batches | plain tokens/s | ours tokens/s | speedup | fastest plain (tokens/s) "
         "| vs fastest plain | τ | padded / verified slots | greedy mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         mismatches = run["mismatches"] if run["mismatches"] is not None else "n/a"
         lines.append(
-            f"| {run['dataset']} | {run['temperature']:g} | {run['batch_size']} | {run['batches']} | "
+            f"| {run['dataset']} | {run['temperature']:g} | {run['batch_size']} | {run['dtype']} | {run['batches']} | "
             f"{run['plain_tokens_per_second']:.1f} | {run['ours_tokens_per_second']:.1f} | {run['speedup']:.2f}× | "
             f"{run['fastest_plain']} ({run['plain_tokens_per_second_by_dtype'][run['fastest_plain']]:.1f}) | "
             f"{run['speedup_vs_fastest_plain']:.2f}× | {run['tau']:.2f} | {100 * run['padded_share']:.1f}% | "
