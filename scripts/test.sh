@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
-# one worker per core (the tests run torch on one thread each), each test file on one worker
-python -m pytest -q -n auto --dist loadfile --durations=15 "$@"
+# one worker per core (the tests run torch on one thread each); idle workers take queued tests
+python -m pytest -q -n auto --dist worksteal --durations=15 "$@"
