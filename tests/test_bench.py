@@ -345,7 +345,8 @@ def test_bench_batch_size_mode_from_the_command_line(tmp_path, capsys):
     assert [r["mismatches"] for r in report["runs"]] == [0, 0, None, None]  # compared at T = 0 only
     assert report["settings"]["repeats"] == 1 and not (out / "speedup.png").exists()  # not the per-prompt bench
     printed = capsys.readouterr().out
-    assert "| gsm8k | 0 | 3 | 1 |" in printed and "| gsm8k | 1 | 3 | 1 |" in printed and "| n/a |" in printed
+    assert "| gsm8k | 0 | 3 | float32 | 1 |" in printed and "| gsm8k | 1 | 3 | float32 | 1 |" in printed
+    assert "| n/a |" in printed
     code = main(common + ["--batch-size", "2", "--reference", "--output-dir", str(tmp_path / "none")])
     assert code == 2 and "--batch-size runs the batch-size benchmark, which does not take --reference" in (
         capsys.readouterr().err
