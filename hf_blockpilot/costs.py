@@ -32,9 +32,10 @@ class CostModel:
 
     `target_ms[n]` is a target forward over n tokens (n = 1: a plain decoding step); `drafter_ms[b]` one drafter forward
     over a block of b slots. The batch axis: `batch_target_ms[B][n]` / `batch_drafter_ms[B][b]` are the same forwards
-    over B rows at once (see `for_batch`). Sizes between measured ones are interpolated linearly; sizes past the largest
-    measured one extend its last slope. `inexact_rows`: verify forwards over these token counts were probed not to give
-    plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
+    over B rows at once (see `for_batch`). `prefill_ms[B]`: plain `generate`'s prefill of B rows of `context_tokens`
+    tokens each (see `prefill_estimate_ms`). Sizes between measured ones are interpolated linearly; sizes past the
+    largest measured one extend its last slope. `inexact_rows`: verify forwards over these token counts were probed
+    not to give plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
     At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
     `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
@@ -48,6 +49,7 @@ class CostModel:
     inexact_rows: list[int] = field(default_factory=list)  # verifies over these token counts round unlike plain
     batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
     batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
+    prefill_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a context_tokens-a-row prefill
     source: str = field(default="", compare=False)  # where the figures come from (calibration, fallback, file)
 
     def round_ms(self, block_size: int, temperature: float = 0.0) -> float:
@@ -90,6 +92,20 @@ class CostModel:
     def modeled_plain_ms(self, new_tokens: int, temperature: float = 0.0) -> float:
         """The modeled time of plain decoding of `new_tokens` tokens (one plain step each, prefill included)."""
         return new_tokens * self.modeled_round_ms(1, 0, temperature)
+
+    def prefill_estimate_ms(self, prompt_tokens: int, batch_size: int = 1) -> float:
+        """A prefill of `batch_size` rows of `prompt_tokens` tokens, interpolated in the batch's total tokens between
+        a one-token forward (a plain step) and the timed prefills (a prefill's matrix products are over every row's
+        tokens at once); with none timed, the verify forwards' last slope extended."""
+        timed = {batch * self.context_tokens: ms for batch, ms in self.prefill_ms.items() if self.context_tokens}
+        return _interpolate({1: self.target_ms[1]} | timed if timed else self.target_ms, batch_size * prompt_tokens)
+
+    def request_ms(self, prompt_tokens: int, new_tokens: int, batch_size: int = 1, acceptance: float = 0.0) -> float:
+        """A whole request's expected time: its prefill, then `new_tokens` tokens a row at the best width's rate
+        when each draft is accepted with probability `acceptance` (0: plain steps)."""
+        view = self.for_batch(batch_size)
+        rate = max(view.tokens_per_ms(w, acceptance) for w in range(1, max(view.target_ms) + 1))
+        return self.prefill_estimate_ms(prompt_tokens, batch_size) + new_tokens / rate
 
     def round_oracle_ms(self, stats: SpeculationStats) -> float:
         """The modeled greedy time of the same request had every round verified only as many of its drafts as
@@ -146,6 +162,7 @@ class CostModel:
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
         raw.pop("kernel_rows", None)
         raw["inexact_rows"] = [int(n) for n in raw.get("inexact_rows", [])]
+        raw["prefill_ms"] = {int(b): float(ms) for b, ms in raw.get("prefill_ms", {}).items()}
         for axis in ("batch_target_ms", "batch_drafter_ms"):
             raw[axis] = {int(b): {int(k): float(v) for k, v in t.items()} for b, t in raw.get(axis, {}).items()}
         if "sampling_row_ms" in raw:

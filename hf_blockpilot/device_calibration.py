@@ -49,9 +49,9 @@ from .modeling_block_diffusion import DraftContextCache
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 6  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 7  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
-# 6: the CPU verify kernels gone (one timing per width)
+# 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
@@ -361,6 +361,7 @@ def calibrate(
         sampling_process_ms=ms["sampling_process"],
         sampling_draw_ms=ms["sampling_draw"],
         inexact_rows=inexact,
+        prefill_ms={1: ms["prefill"]},
         source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
     )
     row_exact = row_exact_table(target) if device.type == "cpu" else {}
@@ -375,13 +376,17 @@ def calibrate_batch(
     widths: Iterable[int] = DEFAULT_WIDTHS,
     context_tokens: int = 256,
     repeats: int = 3,
-) -> tuple[dict[int, float], dict[int, float]]:
+) -> tuple[dict[int, float], dict[int, float], float]:
     """The batch axis of the cost model at `batch_size` rows: (target ms per n tokens a row, drafter ms per
-    block of b slots a row), each row after its own `context_tokens`-long cached context, verified as a batched
-    `generate` verifies (on CPU the exact path)."""
+    block of b slots a row, the prefill of the rows' contexts), each row after its own `context_tokens`-long cached
+    context, verified as a batched `generate` verifies (on CPU the exact path)."""
     widths = sorted(set(widths) | {1})
     ms = _forward_ms(target, drafter, widths, context_tokens, repeats, batch_size)
-    return {n: ms[("target", n)] for n in widths}, {n: ms[("drafter", n)] for n in widths if n > 1}
+    return (
+        {n: ms[("target", n)] for n in widths},
+        {n: ms[("drafter", n)] for n in widths if n > 1},
+        ms["prefill"],
+    )
 
 
 def _forward_ms(
@@ -394,14 +399,18 @@ def _forward_ms(
 ) -> dict[Any, float]:
     """Median ms (`interleaved_median_ms`, with a progress bar) of what a calibration times, over `batch_size` rows
     after a cached context: target forwards over n tokens a row as `generate` verifies (`verify_view`), the
-    drafter per width, and for one row the sampling work (one row processed, one draw)."""
+    drafter per width, and for one row the sampling work (one row processed, one draw); and, timed once, the
+    prefill of that context (`"prefill"`)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (batch_size, context_tokens), generator=generator).to(device)
     prefix = DynamicCache()
     with_prefix = {cache_argument(target): prefix}
-    out = target(context, **with_prefix, output_hidden_states=True)
+    # timed once (it is the longest forward): the prefill as plain `generate` runs it, the last position's logits only
+    out, prefill_seconds = timed(
+        lambda: target(context, **with_prefix, output_hidden_states=True, logits_to_keep=1), device
+    )
     hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(drafter.dtype)
     head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
     embed = target.get_input_embeddings()
@@ -459,7 +468,7 @@ def _forward_ms(
         leave=False,
         mininterval=1.0,
     ) as bar:
-        return interleaved_median_ms(fns, repeats, device, bar)
+        return interleaved_median_ms(fns, repeats, device, bar) | {"prefill": 1000 * prefill_seconds}
 
 
 _resolved: dict[str, CostModel] = {}  # fingerprint key -> this process's cost model for it
@@ -528,9 +537,11 @@ def add_batch_axis(
     if batch_size not in cost.batch_target_ms:
         begin = time.perf_counter()
         widths = [n for n in sorted(cost.target_ms) if n <= max(max_width, 2)]
-        cost.batch_target_ms[batch_size], cost.batch_drafter_ms[batch_size] = calibrate_batch(
-            target, drafter, batch_size, widths
-        )
+        (
+            cost.batch_target_ms[batch_size],
+            cost.batch_drafter_ms[batch_size],
+            cost.prefill_ms[batch_size],
+        ) = calibrate_batch(target, drafter, batch_size, widths, cost.context_tokens)
         logger.info("hf-blockpilot: timed batch %d in %.1f s", batch_size, time.perf_counter() - begin)
         save_calibration(calibration, calibration_path(calibration.fingerprint))
     return calibration
@@ -596,17 +607,24 @@ def forget_resolved() -> None:
         _resolved.clear()
 
 
-def preferred_dtype(target: PreTrainedModel, drafter: nn.Module, batch_size: int = 1) -> torch.dtype:
-    """The dtype `--dtype auto` decodes batches of `batch_size` rows in (`target` and `drafter` in float32): among
-    `decode_dtypes` (float32 and bfloat16 on every CPU, timed rather than assumed), the one this machine's
-    calibration of a copy of the pair expects to decode fastest at that batch size (its best width, plain steps
-    included) among those whose verifies were probed exact. Where none was (CUDA: cuBLAS rounds k rows unlike one),
-    float32, whose near-ties flip least. float32 with calibration off. (On an AVX2-only Zen 3 bfloat16 decodes one
-    row fastest, float32 eight: emulated bfloat16 products pay for every row.)"""
+def preferred_dtype(
+    target: PreTrainedModel,
+    drafter: nn.Module,
+    batch_size: int = 1,
+    prompt_tokens: int = 64,
+    new_tokens: int = 256,
+) -> torch.dtype:
+    """The dtype `--dtype auto` decodes a request in (`target` and `drafter` in float32): `batch_size` rows of
+    `prompt_tokens` (padded) prompt tokens and `new_tokens` new tokens each. Among `decode_dtypes` (float32 and
+    bfloat16 on every CPU, timed rather than assumed), the one whose calibration of a copy of the pair expects the
+    whole request fastest (`CostModel.request_ms`: the prefill, then its best width, plain steps included) among
+    those whose verifies were probed exact. Where none was (CUDA: cuBLAS rounds k rows unlike one), float32, whose
+    near-ties flip least. float32 with calibration off. (On an AVX2-only Zen 3, bfloat16 decodes a row 1.7x faster
+    than float32 but prefills 4-6x slower, emulated bfloat16 products paying for every token: long prompts, short
+    answers and large batches go to float32.)"""
     dtypes = decode_dtypes(next(target.parameters()).device)
     if len(dtypes) == 1 or not calibration_enabled():
         return torch.float32
-    widths = range(1, max(DEFAULT_WIDTHS) + 1)
     costs = {
         dtype: resolve_cost_model(
             *(m if dtype == torch.float32 else copy.deepcopy(m).to(dtype) for m in (target, drafter)),
@@ -615,7 +633,7 @@ def preferred_dtype(target: PreTrainedModel, drafter: nn.Module, batch_size: int
         for dtype in dtypes
     }
     exact = [dtype for dtype, cost in costs.items() if not cost.inexact_rows]
-    return max(
+    return min(
         exact or [torch.float32],
-        key=lambda dtype: max(costs[dtype].for_batch(batch_size).tokens_per_ms(w, PRIOR_ACCEPTANCE) for w in widths),
+        key=lambda dtype: costs[dtype].request_ms(prompt_tokens, new_tokens, batch_size, PRIOR_ACCEPTANCE),
     )

@@ -400,6 +400,7 @@ def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):
         calibration = device_calibration.load_or_calibrate(target, drafter, 3)
         assert calibration.from_cache and set(calibration.cost_model.batch_target_ms) == {3}
         assert set(calibration.cost_model.batch_target_ms[3]) >= {1, 2, 3}
+        assert set(calibration.cost_model.prefill_ms) == {1, 3}  # the prefill timed alone and at the batch size
     finally:
         device_calibration.forget_resolved()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from conftest import save_tiny_pair
 
 from hf_blockpilot._compat import decode_dtypes
 from hf_blockpilot.cli import main
+from hf_blockpilot.data import chat_inputs, load_prompts
 
 
 def other_plains() -> set[str]:
@@ -295,14 +297,19 @@ def test_batch_benchmark_decodes_each_batch_size_in_the_dtype_chosen_for_it(tmp_
     drafter = resolve_drafter(drafter_dir)
     asked = []
 
-    def choose(target, drafter, batch_size):
-        asked.append((next(target.parameters()).dtype, batch_size))
+    def choose(target, drafter, batch_size, prompt_tokens, new_tokens):
+        asked.append((next(target.parameters()).dtype, batch_size, prompt_tokens, new_tokens))
         return torch.bfloat16 if batch_size > 1 else torch.float32
 
     report = run_batch_benchmark(
         target, tokenizer, drafter, ["humaneval"], [1, 2], limit=2, max_new_tokens=4, choose_dtype=choose
     )
-    assert asked == [(torch.float32, 1), (torch.float32, 2)]  # asked of the pair as given
+    # asked of the pair as given, with the batches' median padded prompt length and the new tokens
+    lengths = [len(chat_inputs(tokenizer, record.prompt, "cpu")[0]) for record in load_prompts("humaneval", 2)]
+    assert asked == [
+        (torch.float32, 1, int(statistics.median(lengths)), 4),
+        (torch.float32, 2, max(lengths), 4),
+    ]
     assert [(r["batch_size"], r["dtype"]) for r in report["runs"]] == [(1, "float32"), (2, "bfloat16")]
     assert all(r["mismatches"] == 0 for r in report["runs"])
     assert next(target.parameters()).dtype == torch.float32  # the caller's pair is left as it was

@@ -54,6 +54,8 @@ def test_calibrate_times_every_width_and_sampling():
     assert all(v > 0 for v in [*cost.target_ms.values(), *cost.drafter_ms.values()])
     assert cost.sampling_process_ms > 0 and cost.sampling_draw_ms > 0
     assert cost.source.startswith("calibrated on ") and "float32" in cost.source
+    assert set(cost.prefill_ms) == {1} and cost.prefill_ms[1] > 0 and cost.context_tokens == 16
+    assert CostModel.from_dict(cost.to_dict()).prefill_ms == cost.prefill_ms
     sampled = 7 * cost.sampling_process_ms + 4 * cost.sampling_draw_ms
     assert cost.round_ms(4, temperature=1.0) == pytest.approx(cost.round_ms(4) + sampled)
     assert "plain steps" in calibration.table() and len(calibration.table().splitlines()) == 5
@@ -266,3 +268,51 @@ def test_auto_dtype_is_chosen_per_batch_size(calibrating, monkeypatch):
     assert device_calibration.preferred_dtype(target, drafter) == torch.bfloat16
     assert device_calibration.preferred_dtype(target, drafter, batch_size=8) == torch.float32
     assert set(asked) == {1, 8}  # the batch axis is timed at the size asked for
+
+
+def test_a_prefill_is_estimated_from_the_batch_total_tokens():
+    """Timed prefills (B rows of the calibration's context) and the one-token step anchor a line in the batch's
+    total tokens; without a timed prefill, the verify forwards' slope stands in."""
+    cost = CostModel(target_ms={1: 10.0, 16: 40.0}, drafter_ms={}, context_tokens=100, prefill_ms={1: 109.0})
+    assert cost.prefill_estimate_ms(1) == pytest.approx(10.0)
+    assert cost.prefill_estimate_ms(50) == pytest.approx(10.0 + 49 * 1.0)
+    assert cost.prefill_estimate_ms(50, batch_size=4) == pytest.approx(10.0 + 199 * 1.0)  # past the timed one
+    cost.prefill_ms[4] = 1000.0  # B = 4 timed: 400 tokens
+    assert cost.prefill_estimate_ms(50, batch_size=4) == pytest.approx(109.0 + 100 * (1000.0 - 109.0) / 300)
+    untimed = CostModel(target_ms={1: 10.0, 16: 40.0}, drafter_ms={}, context_tokens=100)
+    assert untimed.prefill_estimate_ms(31) == pytest.approx(10.0 + 30 * 2.0)
+    # a whole request: the prefill, then plain steps (acceptance 0)
+    assert cost.request_ms(50, 20) == pytest.approx(cost.prefill_estimate_ms(50) + 20 * 10.0)
+
+
+@pytest.mark.parametrize(
+    "prompt_tokens, new_tokens, batch_size, expected",
+    [
+        (32, 256, 1, torch.bfloat16),  # a short prompt, a long answer: the cheaper steps win
+        (256, 16, 1, torch.float32),  # a long prompt, a short answer: the cheaper prefill wins
+        (64, 48, 8, torch.float32),  # a batch's prefill over every row's tokens
+    ],
+)
+def test_auto_dtype_weighs_the_prefill_against_the_steps(
+    calibrating, monkeypatch, prompt_tokens, new_tokens, batch_size, expected
+):
+    """As measured on an AVX2-only Zen 3: a bfloat16 step costs 0.6 of a float32 one, a bfloat16 prefill 5x."""
+    costs = {
+        dtype: CostModel(
+            target_ms={1: step, 16: 20 * step},
+            drafter_ms={2: 50.0, 16: 50.0},
+            context_tokens=256,
+            prefill_ms={1: prefill, 8: 8 * prefill},
+            batch_target_ms={8: {1: 2.3 * step, 16: 40 * step}},
+            batch_drafter_ms={8: {2: 100.0, 16: 100.0}},
+        )
+        for dtype, step, prefill in ((torch.float32, 100.0, 700.0), (torch.bfloat16, 60.0, 3600.0))
+    }
+    monkeypatch.setattr(
+        device_calibration,
+        "resolve_cost_model",
+        lambda target, drafter, *args, **kwargs: costs[next(target.parameters()).dtype],
+    )
+    target, drafter = pair()
+    chosen = device_calibration.preferred_dtype(target, drafter, batch_size, prompt_tokens, new_tokens)
+    assert chosen == expected

@@ -7,6 +7,8 @@ import argparse
 import json
 import math
 import os
+import statistics
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,11 +116,13 @@ def add_optional_policy_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def load_models(
-    args: argparse.Namespace, choose_dtype: bool = True
+    args: argparse.Namespace, choose_dtype: bool = True, prompts: Sequence[str] = ()
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
     """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags;
-    `--dtype auto` in the dtype expected to decode one request fastest, or float32 without `choose_dtype` (the
-    caller decides later, e.g. per batch size)."""
+    `--dtype auto` in the dtype expected to answer the command's `prompts` fastest (their median chat length, and
+    `--max-new-tokens`, see `preferred_dtype`), or float32 without `choose_dtype` (the caller decides later, e.g.
+    per batch size)."""
+    from ..data import chat_inputs
     from ..device_calibration import preferred_dtype
     from ..tools.loading import (
         checked_source,
@@ -136,7 +140,11 @@ def load_models(
     target, tokenizer = resolve_target(args.target, dtype="float32" if auto else args.dtype, device=args.device)
     drafter = resolve_drafter(args.drafter, dtype="float32" if auto else args.dtype, device=args.device)
     if auto and choose_dtype:
-        chosen = preferred_dtype(target, drafter)
+        request = {"new_tokens": args.max_new_tokens} if hasattr(args, "max_new_tokens") else {}
+        if prompts:
+            lengths = [chat_inputs(tokenizer, prompt, "cpu").shape[1] for prompt in prompts]
+            request["prompt_tokens"] = int(statistics.median(lengths))
+        chosen = preferred_dtype(target, drafter, **request)
         target.to(chosen)
         drafter.to(chosen)
     drafter.prompt_lookup = getattr(args, "prompt_lookup", False)

@@ -30,11 +30,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch_size:
         return cmd_batch_bench(args)
     from ..controllers import AdaptiveVerify, baseline_controllers
+    from ..data import load_prompts
     from ..device_calibration import resolve_cost_model
     from ..tools.bench import markdown_report, run_benchmark
 
     file_cost_model = load_cost_model(args.cost_model) if args.cost_model else None  # a wrong path fails first
-    target, tokenizer, drafter = load_models(args)
+    prompts = [record.prompt for name in args.datasets for record in load_prompts(name, args.limit)]
+    target, tokenizer, drafter = load_models(args, prompts=prompts)
     policy = drafter.policy
     block_sizes = args.block_sizes or ([b for b in policy.candidates if b > 1] if policy else [4, 8, 16])
     # the costs `generate` decides with (the file given, else this machine's calibration), for the modeled columns

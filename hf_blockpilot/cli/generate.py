@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
 
 from ._common import (
     CONTROLLERS,
@@ -20,9 +19,6 @@ from ._common import (
     prompt_text,
 )
 
-if TYPE_CHECKING:
-    pass
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
@@ -31,7 +27,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..device_calibration import describe_device
     from ..tools.evaluation import compare_with_plain, timed_generate
 
-    target, tokenizer, drafter = load_models(args)
+    target, tokenizer, drafter = load_models(args, prompts=[args.prompt])
     controller = build_controller(args.controller, drafter, args.block_size)
     input_ids = chat_inputs(tokenizer, args.prompt, target.device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -41,7 +42,7 @@ def run_batch_benchmark(
     max_new_tokens: int = 128,
     repeats: int = 1,
     output_dir: str | Path | None = None,
-    choose_dtype: Callable[[PreTrainedModel, BlockDiffusionDrafter, int], torch.dtype] | None = None,
+    choose_dtype: Callable[..., torch.dtype] | None = None,
 ) -> dict:
     """Plain batched `generate` against speculative `generate(**batch, assistant_model=drafter)` (the default
     controller) for every dataset x temperature x batch size; summarize and, with `output_dir`, save.
@@ -52,8 +53,9 @@ def run_batch_benchmark(
     `torch.inference_mode`, on the wall clock (`timed_call`); the first batch of each row count is decoded once
     untimed beforehand. A row's tokens are its new tokens up to and including its first EOS (not the padding
     after it), counted alike on both sides; at T = 0 each row's tokens are compared with plain decoding's.
-    `choose_dtype(target, drafter, B)`: the dtype both sides decode batches of B rows in (copies of the pair;
-    e.g. `preferred_dtype`); None: the pair's own.
+    `choose_dtype(target, drafter, B, prompt_tokens, new_tokens)`: the dtype both sides decode a dataset's batches
+    of B rows in, given their median padded prompt length and `max_new_tokens` (copies of the pair; e.g.
+    `preferred_dtype`); None: the pair's own.
 
     Returns the report: `machine` (`machine_info`), `settings`, and `runs`, one per (dataset, temperature,
     batch size) with its `dtype`, plain and ours tokens/s, `speedup` (ours / plain), plain tokens/s in every dtype
@@ -81,8 +83,13 @@ def run_batch_benchmark(
     plain_targets = {target.dtype: target} | {model.dtype: model for model in plain_in_other_dtypes(target).values()}
     pairs: dict[torch.dtype, tuple[PreTrainedModel, BlockDiffusionDrafter, dict[str, PreTrainedModel]]] = {}
 
-    def pair_for(batch_size: int) -> tuple[PreTrainedModel, BlockDiffusionDrafter, dict[str, PreTrainedModel]]:
-        dtype = target.dtype if choose_dtype is None else choose_dtype(target, drafter, batch_size)
+    def pair_for(
+        batches: list[dict[str, torch.Tensor]],
+    ) -> tuple[PreTrainedModel, BlockDiffusionDrafter, dict[str, PreTrainedModel]]:
+        dtype = target.dtype
+        if choose_dtype is not None:
+            padded = statistics.median(batch["input_ids"].shape[1] for batch in batches)
+            dtype = choose_dtype(target, drafter, batches[0]["input_ids"].shape[0], int(padded), max_new_tokens)
         if dtype not in pairs:
             pair_target = plain_targets[dtype] if dtype in plain_targets else copy.deepcopy(target).to(dtype)
             pair_drafter = drafter if dtype == drafter.dtype else copy.deepcopy(drafter).to(dtype)
@@ -114,12 +121,12 @@ def run_batch_benchmark(
             for name, texts in prompts.items():
                 for batch_size in batch_sizes:
                     progress.set_postfix_str(f"{name} T={temperature:g} B={batch_size}")
-                    pair_target, pair_drafter, other_plains = pair_for(batch_size)
-                    torch.manual_seed(0)
                     batches = [
                         chat_batch(tokenizer, texts[i : i + batch_size], target.device, pad_token_id)
                         for i in range(0, len(texts), batch_size)
                     ]
+                    pair_target, pair_drafter, other_plains = pair_for(batches)
+                    torch.manual_seed(0)
                     run = decode_batches(
                         pair_target,
                         pair_drafter,
