@@ -31,7 +31,13 @@ from hf_blockpilot.controllers import DraftController, PolicyBlockSize, Speculat
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.data import load_prompts
 from hf_blockpilot.tools.loading import load_default_target, resolve_drafter, resolve_policy
-from hf_blockpilot.training.data import generate_responses, read_sequences, target_hidden_states
+from hf_blockpilot.training.data import (
+    MAX_PROMPT_TOKENS,
+    chat_prompt_ids,
+    generate_responses,
+    read_sequences,
+    target_hidden_states,
+)
 from hf_blockpilot.training.drafter import DrafterTrainer, DrafterTrainingConfig
 
 
@@ -42,10 +48,12 @@ def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
     trainers: dict[int, DrafterTrainer] = {}
     for dataset in args.datasets:
         prompts = load_prompts(dataset, args.limit)
-        data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
-        generate_responses(target, tokenizer, prompts, data, 1, args.max_new_tokens, 10**9, dtype=None)
         wanted = {p.id for p in prompts}
         table = done.setdefault(dataset, {})
+        if wanted <= set(table):  # every answer replayed already: no responses needed
+            continue
+        data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
+        generate_responses(target, tokenizer, prompts, data, 1, args.max_new_tokens, 10**9, dtype=None)
         for seq in (s for s in read_sequences(data) if s.id in wanted and s.id not in table):
             hidden = target_hidden_states(target, [seq], drafter.target_layer_ids, torch.float32)[0]
             table[seq.id] = {}
@@ -63,19 +71,19 @@ def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
     return done
 
 
-def prefills(args, target, policies) -> dict:
+def prefills(args, target, tokenizer, policies) -> dict:
     """{prompt id: the prefill outputs the policies read} (other hidden states dropped)."""
     reads = [policy_state_indices(policy) for policy in policies]
     keep = None if None in reads else sorted({i for r in reads for i in r})
     out = {}
     for dataset in args.datasets:
-        data = args.responses_dir / f"{dataset}-{args.max_new_tokens}"
-        for seq in read_sequences(data):
+        for record in load_prompts(dataset, args.limit):
             with torch.no_grad():
-                states = target(torch.tensor([seq.input_ids[: seq.response_start]]), output_hidden_states=True)
+                ids = chat_prompt_ids(tokenizer, record, MAX_PROMPT_TOKENS)  # as the replayed answers were asked
+                states = target(torch.tensor([ids], device=target.device), output_hidden_states=True)
             n = len(states.hidden_states)
             wanted = {i % n for i in keep} if keep is not None else set(range(n))
-            out[seq.id] = SimpleNamespace(
+            out[record.id] = SimpleNamespace(
                 hidden_states=[h if i in wanted else None for i, h in enumerate(states.hidden_states)]
             )
     return out
@@ -122,7 +130,7 @@ def main() -> None:
     policies = {spec.split("=")[0]: resolve_policy(spec.split("=")[-1]) for spec in args.policies}
     widths = sorted({b for policy in policies.values() for b in policy.candidates if b > 1})
     acceptance = replay(args, target, tokenizer, drafter, widths)
-    states = prefills(args, target, list(policies.values()))
+    states = prefills(args, target, tokenizer, list(policies.values()))
     lm_head = target.get_output_embeddings()
     tables = {Path(p).stem: CostModel.load(p) for pattern in args.tables for p in sorted(glob.glob(pattern))}
     methods = {f"b={b}": DraftController(b) for b in widths}
