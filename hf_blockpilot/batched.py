@@ -37,7 +37,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ._compat import SELECTION_KEEPS_POSITIONS, cache_argument
-from .controllers import DraftController, DraftedRound, SpeculationGuard, fastest_width
+from .controllers import DraftController, DraftedRound, LookupBudget, SpeculationGuard, fastest_width
 from .costs import MIN_PREDICTED_GAIN
 from .exact_verify import slot_key_lengths
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
@@ -255,6 +255,7 @@ class _Row:
     first_real: int  # where the prompt's left padding ends
     keep: int = 0  # drafts verified this round
     lookup_drafts: list[int] = field(default_factory=list)
+    lookup_budget: LookupBudget | None = None  # decoding plain, yet prompt lookup's drafts verified where they pay
 
 
 @dataclass
@@ -431,6 +432,9 @@ class BatchedSpeculativeDecoder:
         self.plain = self.batch_plain or not self._may_draft_again()
         if self.plain:
             self.pending = []
+            row = self.rows[0]
+            if self.single and row.lookup is not None and row.controller.cost_model is not None:
+                row.lookup_budget = LookupBudget(row.controller.cost_model, self.temperature)
         for row in self.rows:
             row.stats.block_size = 1 if self.plain else (width if self.shared_width else row.controller.width())
         raw = prefill.logits[:, -1:]
@@ -439,8 +443,9 @@ class BatchedSpeculativeDecoder:
         self.anchor = first
         host = self._to_host(first).tolist()
         self._commit([[t] for t in host], [0] * len(self.rows), Verified(logits, raw, prefill, prefill=True))
+        step = self._plain_round if self.plain and self.rows[0].lookup_budget is None else self._round
         while self.rows:
-            self._plain_round() if self.plain else self._round()
+            step()
         if self.streamer is not None:
             self.streamer.end()
         return self._sequences()
@@ -474,7 +479,7 @@ class BatchedSpeculativeDecoder:
         block = self.anchor[:, None] if widest == 0 else torch.cat([self.anchor[:, None], drafts[:, :widest]], dim=1)
         block = block.masked_fill(~valid, self.pad_token_id)
         positions = self.next_position[:, None] + slots[None, :]
-        outputs = self._verify(block, positions, [k + 1 for k in keeps])
+        outputs = self._verify(block, positions, [k + 1 for k in keeps], keep_states=not self.plain)
         self.stats.verify_slots += len(self.rows) * (widest + 1)
         self.stats.padded_slots += sum(widest - k for k in keeps)
         raw = outputs.logits[:, : widest + 1]
@@ -484,9 +489,10 @@ class BatchedSpeculativeDecoder:
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
         # a single row keeps only its committed tokens' states, so its drafter runs unmasked, as drafted alone
         kept_slots = host[0][0] + 1 if self.single else widest + 1
-        kept = slots[None, :kept_slots] <= accepted[:, None]
-        self._keep_context(outputs, kept, positions[:, :kept_slots])
-        if self.guard is not None:  # the batch's round, as the mean row's
+        if not self.plain:
+            kept = slots[None, :kept_slots] <= accepted[:, None]
+            self._keep_context(outputs, kept, positions[:, :kept_slots])
+        if self.guard is not None and not self.plain:  # the batch's round, as the mean row's
             self.guard.observe(sum(keeps) / len(keeps), sum(n for n, *_ in host) / len(host))
         # a row's rejected drafts and padding lie past its new length: the next round writes over them
         self.plan.advance(accepted + 1, [n + 1 for n, *_ in host])
@@ -527,6 +533,8 @@ class BatchedSpeculativeDecoder:
     # ------------------------------------------------------------------------------------------ drafting
     def _draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
         """This round's drafts (rows, slots) and their draft logits, and per row how many go to the target."""
+        if self.plain:
+            return self._lookup_draft()
         widths, budgets = [], []
         drafting = self.guard is None or self.guard.width() > 1  # the guard may pause the whole batch
         drafting = drafting and not self.batch_plain
@@ -565,6 +573,21 @@ class BatchedSpeculativeDecoder:
                 row.stats.lookup_rounds += 1
             keeps.append(row.keep)
         return drafts, draft_logits, keeps
+
+    def _lookup_draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
+        """A round of a single row that decodes plain with prompt lookup on: the looked-up drafts that pay
+        (`LookupBudget`), with no drafter forward; none, a plain step."""
+        row = self.rows[0]
+        room = self.max_length - row.ids.shape[1]
+        looked = row.lookup.continuation(row.ids, min(row.lookup_budget.most, room - 1)) if room > 1 else []
+        row.keep = row.lookup_budget.drafts(len(looked))
+        row.lookup_drafts = looked[: row.keep]
+        row.stats.widths_per_round.append(1)
+        if not row.keep:
+            return None, None, [0]
+        row.stats.lookup_rounds += 1
+        drafts, draft_logits = self._select(None, row.keep + 1)
+        return drafts, draft_logits, [row.keep]
 
     def _drafter_logits(self, widths: list[int], width: int) -> torch.Tensor:
         """One drafter forward over every active row's block (a row's slots past its own width masked out):
@@ -775,6 +798,8 @@ class BatchedSpeculativeDecoder:
             row.stats.drafted_per_round.append(row.keep)
             row.stats.accepted_per_round.append(min(accepted[r], len(cut) - 1))
             row.controller.observe(row.keep, accepted[r])
+            if row.lookup_budget is not None:
+                row.lookup_budget.evidence.observe(row.keep, accepted[r])
             if stop or timed_out or row.ids.shape[1] >= self.max_length:
                 done.append(r)
         if done:

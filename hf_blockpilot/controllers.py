@@ -382,6 +382,32 @@ class TauEvidence:
         }
 
 
+#: Per-slot acceptance of prompt lookup's drafts, each given the ones before it accepted (greedy SmolLM2-135M
+#: answers to 36 held-out prompts measured 0.69-0.72, then 0.74-0.89; taken lower: docs/benchmarks.md, "Prompt
+#: lookup alone").
+LOOKUP_ACCEPTANCE = (0.55, 0.70, 0.75, 0.75, 0.75, 0.75, 0.75, 0.75)
+
+
+class LookupBudget:
+    """How many of prompt lookup's drafts a request whose drafter no longer drafts verifies a round: the count
+    that commits the most tokens per ms of a round with no drafter forward under `cost_model`, at the request's
+    acceptance of such drafts (`LOOKUP_ACCEPTANCE` worth `prior_trials` slots, corrected by its lookup rounds,
+    `TauEvidence`); 0: a plain step."""
+
+    def __init__(self, cost_model: CostModel, temperature: float, prior_trials: float = 8.0):
+        committed = expected_committed(torch.tensor(LOOKUP_ACCEPTANCE)).tolist()
+        self.evidence = TauEvidence({k + 1: tau for k, tau in enumerate(committed)}, prior_trials)
+        self.cost_model = cost_model
+        self.temperature = temperature
+        self.most = len(LOOKUP_ACCEPTANCE)
+
+    def drafts(self, available: int) -> int:
+        """Of `available` looked-up drafts, how many to verify."""
+        tau = self.evidence.current()
+        ms = self.cost_model.modeled_round_ms
+        return max(range(min(available, self.most) + 1), key=lambda k: tau[k + 1] / ms(1, k, self.temperature))
+
+
 def fastest_width(curves: Sequence[dict[int, float]], cost_model: CostModel, temperature: float) -> tuple[int, float]:
     """The drafting width (>= 2, among the widths every curve predicts) at which the slowest of `curves` (one
     per row of a batch; one for a single request) commits the most tokens per ms of a round, every draft

@@ -48,8 +48,8 @@ class SpeculationStats:
 
     @property
     def plain_rounds(self) -> int:
-        """Rounds after the prefill that drafted nothing (speculation off, paused by the guard, or no room)."""
-        return sum(1 for w in self.widths_per_round[1:] if w == 1)
+        """Rounds after the prefill that verified no draft (speculation off, paused by the guard, or no room)."""
+        return sum(1 for d in self.drafted_per_round[1:] if d == 0)
 
     @property
     def tau(self) -> float:

@@ -9,6 +9,8 @@ import torch
 from conftest import greedy_generate, make_drafter, make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
+from hf_blockpilot.controllers import DraftController, LookupBudget, SpeculationGuard
+from hf_blockpilot.costs import CostModel
 from hf_blockpilot.modeling_block_diffusion import DraftContextCache
 from hf_blockpilot.prompt_lookup import NgramLookup
 
@@ -146,3 +148,42 @@ def test_prompt_lookup_copies_a_repeating_answer():
     # a random tiny model falls into a loop within 64 greedy tokens, which lookup copies
     assert drafter.last_stats.lookup_rounds > 0
     assert drafter.last_stats.tau > tau_without + 0.5, (drafter.last_stats.tau, tau_without)
+
+
+def _guarded(cost: CostModel) -> SpeculationGuard:
+    guard = SpeculationGuard(DraftController(4))
+    guard.use_cost_model(cost)
+    return guard
+
+
+def test_a_request_decoding_plain_still_verifies_lookup_drafts_that_pay():
+    """Where the drafter cannot pay (the guard decides on plain decoding) but a verify costs little more than a
+    plain step, prompt lookup's drafts are still verified, as many as pay (`LookupBudget`), with no drafter
+    forward; greedy output stays plain decoding's. Where verifies are dear, every step is plain."""
+    target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, seed=1)
+    prompt = _ids([5, 9, 13, 5, 9])
+    expected = greedy_generate(target, prompt, 64, None)
+    drafter = make_drafter(target, seed=0, block_size=6)
+    drafter.prompt_lookup = True
+    dear_drafter = CostModel(target_ms={1: 10.0, 2: 10.5, 8: 12.0}, drafter_ms={2: 500.0, 8: 500.0})
+    got = greedy_generate(target, prompt, 64, None, assistant_model=drafter, draft_controller=_guarded(dear_drafter))
+    stats = drafter.last_stats
+    assert torch.equal(got, expected)
+    assert stats.drafter_forwards == 0 and stats.lookup_rounds > 0 and stats.tau > 1.5
+    assert set(stats.widths_per_round) == {1} and max(stats.drafted_per_round) > 1  # several drafts, no drafter
+    assert stats.plain_rounds == sum(1 for d in stats.drafted_per_round[1:] if d == 0) < len(stats.drafted_per_round)
+    dear_verify = CostModel(target_ms={1: 10.0, 2: 30.0, 8: 120.0}, drafter_ms={2: 500.0, 8: 500.0})
+    got = greedy_generate(target, prompt, 64, None, assistant_model=drafter, draft_controller=_guarded(dear_verify))
+    assert torch.equal(got, expected) and drafter.last_stats.lookup_rounds == 0 and drafter.last_stats.tau == 1.0
+
+
+def test_the_lookup_budget_follows_the_costs_and_the_request_s_own_acceptance():
+    cheap = CostModel(target_ms={1: 10.0, 2: 10.5, 9: 10.5}, drafter_ms={})
+    budget = LookupBudget(cheap, temperature=0.0)
+    assert budget.drafts(0) == 0 and budget.drafts(3) == 3 and budget.drafts(100) == budget.most
+    assert LookupBudget(CostModel(target_ms={1: 10.0, 2: 20.0}, drafter_ms={}), 0.0).drafts(8) == 0  # never pays
+    zen3 = LookupBudget(CostModel(target_ms={1: 10.0, 2: 13.8, 4: 22.0, 8: 39.0}, drafter_ms={}), 0.0)
+    assert zen3.drafts(8) >= 1  # at the prior acceptance, a short lookup verify pays on an AVX2-only Zen 3
+    for _ in range(4):  # every looked-up draft rejected: the request's own evidence turns lookup off
+        zen3.evidence.observe(zen3.drafts(8), 0)
+    assert zen3.drafts(8) == 0

@@ -61,8 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=results_to)
     rounds = [
         f"{d}/{a}"
-        for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round)
-        if w > 1
+        for d, a in zip(stats.drafted_per_round, stats.accepted_per_round)
+        if d > 0
     ]
     if rounds:
         print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=results_to)
