@@ -383,9 +383,9 @@ class TauEvidence:
 
 
 #: Per-slot acceptance of prompt lookup's drafts, each given the ones before it accepted (greedy SmolLM2-135M
-#: answers to 36 held-out prompts measured 0.69-0.72, then 0.74-0.89; taken lower: docs/benchmarks.md, "Prompt
+#: answers to 36 evaluation prompts measured 0.69-0.72, then 0.74-0.89; taken lower: docs/benchmarks.md, "Prompt
 #: lookup alone").
-LOOKUP_ACCEPTANCE = (0.55, 0.70, 0.75, 0.75, 0.75, 0.75, 0.75, 0.75)
+LOOKUP_ACCEPTANCE = (0.65, 0.75, 0.80, 0.80, 0.80, 0.80, 0.80, 0.80)
 
 
 class LookupBudget:
@@ -394,7 +394,7 @@ class LookupBudget:
     acceptance of such drafts (`LOOKUP_ACCEPTANCE` worth `prior_trials` slots, corrected by its lookup rounds,
     `TauEvidence`); 0: a plain step."""
 
-    def __init__(self, cost_model: CostModel, temperature: float, prior_trials: float = 8.0):
+    def __init__(self, cost_model: CostModel, temperature: float, prior_trials: float = 16.0):
         committed = expected_committed(torch.tensor(LOOKUP_ACCEPTANCE)).tolist()
         self.evidence = TauEvidence({k + 1: tau for k, tau in enumerate(committed)}, prior_trials)
         self.cost_model = cost_model

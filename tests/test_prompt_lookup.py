@@ -184,6 +184,8 @@ def test_the_lookup_budget_follows_the_costs_and_the_request_s_own_acceptance():
     assert LookupBudget(CostModel(target_ms={1: 10.0, 2: 20.0}, drafter_ms={}), 0.0).drafts(8) == 0  # never pays
     zen3 = LookupBudget(CostModel(target_ms={1: 10.0, 2: 13.8, 4: 22.0, 8: 39.0}, drafter_ms={}), 0.0)
     assert zen3.drafts(8) >= 1  # at the prior acceptance, a short lookup verify pays on an AVX2-only Zen 3
-    for _ in range(4):  # every looked-up draft rejected: the request's own evidence turns lookup off
+    rejected = 0
+    while zen3.drafts(8) and rejected < 20:  # every looked-up draft rejected: the request's evidence turns lookup off
         zen3.evidence.observe(zen3.drafts(8), 0)
-    assert zen3.drafts(8) == 0
+        rejected += 1
+    assert zen3.drafts(8) == 0 and 2 <= rejected < 20  # not on the first rejection, but within a few

@@ -59,11 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # stdout: the answer, then the results (or, with --json, the JSON record alone and the results on stderr)
     results_to = sys.stderr if args.json else sys.stdout
     print("\n" + " | ".join(f"{k}: {v}" for k, v in result.items()), file=results_to)
-    rounds = [
-        f"{d}/{a}"
-        for d, a in zip(stats.drafted_per_round, stats.accepted_per_round)
-        if d > 0
-    ]
+    rounds = [f"{d}/{a}" for d, a in zip(stats.drafted_per_round, stats.accepted_per_round) if d > 0]
     if rounds:
         print(f"rounds (drafts verified/accepted): {' '.join(rounds)}", file=results_to)
     else:  # the loop decoded plain: any measured speedup is the loop's overhead against generate's, or noise
