@@ -339,3 +339,23 @@ def test_sampling_exact_when_the_guard_pauses_after_a_losing_round(target):
     stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
     assert df >= 10
     assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
+
+
+def test_sampling_exact_with_lookup_alone(target):
+    """A request that decodes plain (its drafter cannot pay) verifying prompt lookup's drafts where they pay
+    (`LookupBudget`, whose count follows the request's own lookup acceptance): still the target's law."""
+    from hf_blockpilot import CostModel, SpeculationGuard
+
+    drafter = make_drafter(target, seed=3, block_size=4, scale=8.0)
+    drafter.prompt_lookup = True
+    costs = CostModel(target_ms={1: 10.0, 4: 10.5}, drafter_ms={2: 500.0, 4: 500.0})  # verifies cheap, drafter dear
+    guard = SpeculationGuard(DraftController(4))
+    guard.use_cost_model(costs)
+    counts, drafted, accepted, lookups = draw(
+        target, drafter, NUM_SAMPLES, temperature=1.0, top_k=None, draft_controller=guard
+    )
+    assert 0.05 * NUM_SAMPLES < lookups and 0 < accepted < drafted, (lookups, accepted, drafted)
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, temperature=1.0, top_k=None))
+    print(f"lookup alone: chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f} lookups={lookups} accepted={accepted}")
+    assert df >= 10
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} crit={chi2_critical(df):.1f}"
