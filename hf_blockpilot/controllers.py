@@ -403,6 +403,8 @@ class LookupBudget:
 
     def drafts(self, available: int) -> int:
         """Of `available` looked-up drafts, how many to verify."""
+        if available == 0:
+            return 0
         tau = self.evidence.current()
         ms = self.cost_model.modeled_round_ms
         return max(range(min(available, self.most) + 1), key=lambda k: tau[k + 1] / ms(1, k, self.temperature))
