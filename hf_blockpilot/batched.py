@@ -443,7 +443,7 @@ class BatchedSpeculativeDecoder:
         self.anchor = first
         host = self._to_host(first).tolist()
         self._commit([[t] for t in host], [0] * len(self.rows), Verified(logits, raw, prefill, prefill=True))
-        step = self._plain_round if self.plain and self.rows[0].lookup_budget is None else self._round
+        step = self._plain_round if self.plain else self._round
         while self.rows:
             step()
         if self.streamer is not None:
@@ -470,8 +470,10 @@ class BatchedSpeculativeDecoder:
         evidence = [row.controller.evidence for row in self.rows]
         return max([MIN_PREDICTED_GAIN, *(each.margin for each in evidence if each is not None)])
 
-    def _round(self) -> None:
-        drafts, draft_logits, keeps = self._draft()
+    def _round(self, drafted: tuple[torch.Tensor | None, torch.Tensor | None, list[int]] | None = None) -> None:
+        """One speculative round: `drafted` (drafts, their draft logits, how many each row verifies), else this
+        round's own (`_draft`), verified in one target forward and committed."""
+        drafts, draft_logits, keeps = drafted or self._draft()
         widest = max(keeps)
         slots = torch.arange(widest + 1, device=self.device)
         keep = torch.tensor(keeps, device=self.device)
@@ -487,9 +489,9 @@ class BatchedSpeculativeDecoder:
         accepted, tokens = self._accept(block[:, 1:], None if widest == 0 else draft_logits[:, :widest], logits, keep)
         self.next_position = self.next_position + accepted + 1
         host = self._to_host(torch.cat([accepted[:, None], tokens], dim=1)).tolist()
-        # a single row keeps only its committed tokens' states, so its drafter runs unmasked, as drafted alone
-        kept_slots = host[0][0] + 1 if self.single else widest + 1
         if not self.plain:
+            # a single row keeps only its committed tokens' states, so its drafter runs unmasked, as drafted alone
+            kept_slots = host[0][0] + 1 if self.single else widest + 1
             kept = slots[None, :kept_slots] <= accepted[:, None]
             self._keep_context(outputs, kept, positions[:, :kept_slots])
         if self.guard is not None and not self.plain:  # the batch's round, as the mean row's
@@ -514,7 +516,14 @@ class BatchedSpeculativeDecoder:
     def _plain_round(self) -> None:
         """One plain decoding step for a batch whose rows never draft again: one token a row, as plain `generate`
         decodes it, with no drafter context kept (so the target returns no hidden states the call did not ask for).
-        """
+        A single row with prompt lookup verifies its looked-up drafts instead where they pay (`_looked_up`)."""
+        for row in self.rows:
+            row.keep = 0
+            row.stats.widths_per_round.append(1)
+        if self.rows[0].lookup_budget is not None and self._looked_up():
+            keep = self.rows[0].keep
+            self._round((*self._select(None, keep + 1), [keep]))
+            return
         block = self.anchor[:, None]
         rows = len(self.rows)
         outputs = self._verify(block, self.next_position[:, None], [1] * rows, keep_states=False)
@@ -525,16 +534,11 @@ class BatchedSpeculativeDecoder:
         self.next_position = self.next_position + 1
         host = self._to_host(self.anchor).tolist()
         self.plan.advance(1, [1] * rows)
-        for row in self.rows:
-            row.keep = 0
-            row.stats.widths_per_round.append(1)
         self._commit([[t] for t in host], [0] * rows, Verified(logits, raw, outputs))
 
     # ------------------------------------------------------------------------------------------ drafting
     def _draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
         """This round's drafts (rows, slots) and their draft logits, and per row how many go to the target."""
-        if self.plain:
-            return self._lookup_draft()
         widths, budgets = [], []
         drafting = self.guard is None or self.guard.width() > 1  # the guard may pause the whole batch
         drafting = drafting and not self.batch_plain
@@ -574,20 +578,16 @@ class BatchedSpeculativeDecoder:
             keeps.append(row.keep)
         return drafts, draft_logits, keeps
 
-    def _lookup_draft(self) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
-        """A round of a single row that decodes plain with prompt lookup on: the looked-up drafts that pay
-        (`LookupBudget`), with no drafter forward; none, a plain step."""
+    def _looked_up(self) -> bool:
+        """Whether the single row, decoding plain with prompt lookup on, verifies looked-up drafts this round:
+        those that pay (`LookupBudget`), with no drafter forward, become its `lookup_drafts` and `keep`."""
         row = self.rows[0]
         room = self.max_length - row.ids.shape[1]
         looked = row.lookup.continuation(row.ids, min(row.lookup_budget.most, room - 1)) if room > 1 else []
         row.keep = row.lookup_budget.drafts(len(looked))
         row.lookup_drafts = looked[: row.keep]
-        row.stats.widths_per_round.append(1)
-        if not row.keep:
-            return None, None, [0]
-        row.stats.lookup_rounds += 1
-        drafts, draft_logits = self._select(None, row.keep + 1)
-        return drafts, draft_logits, [row.keep]
+        row.stats.lookup_rounds += row.keep > 0
+        return row.keep > 0
 
     def _drafter_logits(self, widths: list[int], width: int) -> torch.Tensor:
         """One drafter forward over every active row's block (a row's slots past its own width masked out):
