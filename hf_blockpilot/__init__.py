@@ -16,12 +16,9 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration_block_diffusion import BlockDiffusionConfig
 from .controllers import (
-    AcceptanceEMA,
     AdaptiveVerify,
     BlockSizePolicy,
     DraftController,
-    EntropyStop,
-    HeuristicSchedule,
     PolicyBlockSize,
     SpeculationGuard,
     default_controller,
@@ -33,6 +30,7 @@ from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
 from .routing import install_generate_routing
 from .stats import SpeculationStats
+from .tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
 __version__ = "0.1.0.dev0"
 

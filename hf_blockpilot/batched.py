@@ -415,10 +415,8 @@ class BatchedSpeculativeDecoder:
         self.plan = RaggedCache.convert(self.cache, prompt_mask.bool(), self.padded, self.single, self.capacity)
         for i, row in enumerate(self.rows):
             row.controller.start(self._row_prefill(prefill, i, row.first_real), self.lm_head, self.temperature)
-            row.stats.policy_seconds, row.stats.policy_probs = (
-                row.controller.policy_seconds,
-                row.controller.policy_probs,
-            )
+            row.stats.policy_seconds = row.controller.policy_seconds
+            row.stats.policy_probs = row.controller.policy_probs
             row.stats.target_forwards = 1
             row.stats.widths_per_round.append(1)
         # a single row drafts its own controller's width, as its policy chose and its rounds correct it
@@ -592,14 +590,13 @@ class BatchedSpeculativeDecoder:
     def _drafter_logits(self, widths: list[int], width: int) -> torch.Tensor:
         """One drafter forward over every active row's block (a row's slots past its own width masked out):
         (rows, width - 1, V) full-vocabulary float logits of slots 1..width-1."""
-        hidden, valid, positions = self._take_pending()
+        hidden, positions = self._take_pending()
         rows = len(self.rows)
         block_ids = torch.full((rows, width), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = self.anchor
         block_positions = self.next_position[:, None] + torch.arange(width, device=self.device)[None, :]
         mask = None  # one unpadded row sees all its context and slots: the drafter's own masks (its causal layers)
         if not self.single:
-            self.context_valid = torch.cat([self.context_valid, valid], dim=1)
             slot_visible = (
                 torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
             )
@@ -626,9 +623,7 @@ class BatchedSpeculativeDecoder:
 
     def _extend_draft_context(self) -> None:
         """Rounds drafted by prompt lookup alone: the drafter only takes in the new context."""
-        hidden, valid, positions = self._take_pending()
-        if not self.single:
-            self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        hidden, positions = self._take_pending()
         self.drafter.extend_context(hidden, positions, self.draft_cache)
 
     def _select(self, logits: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -776,10 +771,14 @@ class BatchedSpeculativeDecoder:
         hidden = torch.cat([hidden_states[i + 1][:, :slots] for i in self.drafter.target_layer_ids], dim=-1)
         self.pending.append((hidden.to(self.drafter.device), kept, positions))
 
-    def _take_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept target states (rows, n, ·) and their positions, for the drafter to take in; the rows' context
+        mask grows by them (unless one unpadded row, which sees all its context)."""
         hidden, valid, positions = (torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True))
         self.pending = []
-        return hidden, valid, positions.masked_fill(~valid, 0)
+        if not self.single:
+            self.context_valid = torch.cat([self.context_valid, valid], dim=1)
+        return hidden, positions.masked_fill(~valid, 0)
 
     def _commit(self, committed: list[list[int]], accepted: list[int], verified: Verified) -> None:
         """Append each row's committed tokens (cut at its first stop; `verified`: the forward that picked them),

@@ -207,63 +207,6 @@ class PolicyBlockSize(DraftController):
         return "policy" if self.correct_width else "policy(uncorrected)"
 
 
-class HeuristicSchedule(DraftController):
-    """Transformers' `num_assistant_tokens_schedule="heuristic"` applied to the block: two more drafts after
-    a round whose drafts were all accepted, one fewer otherwise (at least one)."""
-
-    name = "heuristic"
-
-    def __init__(self, start_block_size: int = 6, max_block_size: int = 16):
-        super().__init__(check_block_size(max_block_size, "max_block_size"))
-        self.start_block_size = min(check_block_size(start_block_size, "start_block_size"), max_block_size)
-        self.current = self.start_block_size
-
-    def reset(self) -> None:
-        super().reset()
-        self.current = self.start_block_size
-
-    def width(self) -> int:
-        return self.current
-
-    def observe(self, verified: int, accepted: int) -> None:
-        if verified == 0:
-            return
-        step = 2 if accepted == verified else -1
-        self.current = min(max(self.current + step, 2), self.block_size)
-
-    def describe(self) -> str:
-        return f"heuristic(start={self.start_block_size}, max={self.block_size})"
-
-
-class AcceptanceEMA(DraftController):
-    """Block size following an exponential moving average of committed tokens per round (as dflash-mlx's
-    adaptive block policy): draft one slot more than recent rounds committed."""
-
-    name = "ema"
-
-    def __init__(self, max_block_size: int = 16, decay: float = 0.7, start_block_size: int = 4):
-        super().__init__(check_block_size(max_block_size, "max_block_size"))
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
-        self.start_block_size = min(check_block_size(start_block_size, "start_block_size"), max_block_size)
-        self.average = float(self.start_block_size - 1)
-
-    def reset(self) -> None:
-        super().reset()
-        self.average = float(self.start_block_size - 1)
-
-    def width(self) -> int:
-        return min(max(round(self.average) + 1, 2), self.block_size)
-
-    def observe(self, verified: int, accepted: int) -> None:
-        if verified:
-            self.average = self.decay * self.average + (1 - self.decay) * (accepted + 1)
-
-    def describe(self) -> str:
-        return f"ema(max={self.block_size}, decay={self.decay})"
-
-
 @dataclass
 class EntropyBound:
     """Training-free acceptance estimate (AdaEDL, Agrawal et al. 2024): a draft drawn from q is accepted with
@@ -304,14 +247,8 @@ class AcceptanceModel:
     def _table(self, num_slots: int, device: torch.device) -> torch.Tensor:
         key = (num_slots, str(device))
         if key not in self._tables:
-            index = [min(j, len(self.bias) - 1) for j in range(num_slots)]
-            lookup_index = [min(j, len(self.lookup_rate) - 1) for j in range(num_slots)]
-            rows = [
-                [self.bias[i] for i in index],
-                [self.confidence_weight[i] for i in index],
-                [self.entropy_weight[i] for i in index],
-                [self.lookup_rate[i] for i in lookup_index],
-            ]
+            fitted = (self.bias, self.confidence_weight, self.entropy_weight, self.lookup_rate)
+            rows = [[values[min(j, len(values) - 1)] for j in range(num_slots)] for values in fitted]
             self._tables[key] = torch.tensor(rows, dtype=torch.float32, device=device)
         return self._tables[key]
 
@@ -423,28 +360,6 @@ def fastest_width(curves: Sequence[dict[int, float]], cost_model: CostModel, tem
         if gain > best_gain:
             best, best_gain = width, gain
     return best, best_gain
-
-
-class EntropyStop(DraftController):
-    """AdaEDL's stopping rule: verify drafts while the entropy bound on their acceptance stays >= `threshold`."""
-
-    name = "entropy"
-    reads_confidence = True
-    chooses_verify_count = True
-
-    def __init__(self, max_block_size: int = 16, gamma: float = 0.5, threshold: float = 0.4):
-        super().__init__(check_block_size(max_block_size, "max_block_size"))
-        self.bound = EntropyBound(gamma=gamma)
-        self.threshold = threshold
-
-    def num_to_verify(self, drafted: DraftedRound) -> int:
-        if drafted.lookup:
-            return drafted.num_drafts
-        below = self.bound.per_slot(drafted) < self.threshold
-        return int(torch.cat([below, below.new_ones(1)]).int().argmax())
-
-    def describe(self) -> str:
-        return f"entropy(max={self.block_size}, gamma={self.bound.gamma}, threshold={self.threshold})"
 
 
 class AdaptiveVerify(DraftController):
@@ -778,12 +693,3 @@ class SpeculationGuard(DelegatingController):
 
     def describe(self) -> str:
         return f"guarded({self.inner.describe()})"
-
-
-def baseline_controllers(block_sizes: Sequence[int], max_block_size: int = 16) -> dict[str, DraftController]:
-    """The comparison set `bench` runs beside the policy and the adaptive controller."""
-    out: dict[str, DraftController] = {f"b={b}": DraftController(b) for b in block_sizes}
-    out["heuristic"] = HeuristicSchedule(max_block_size=max_block_size)
-    out["ema"] = AcceptanceEMA(max_block_size=max_block_size)
-    out["entropy"] = EntropyStop(max_block_size=max_block_size)
-    return out

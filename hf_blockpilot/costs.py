@@ -89,10 +89,6 @@ class CostModel:
             for w, d in zip(stats.widths_per_round, stats.drafted_per_round, strict=True)
         )
 
-    def modeled_plain_ms(self, new_tokens: int, temperature: float = 0.0) -> float:
-        """The modeled time of plain decoding of `new_tokens` tokens (one plain step each, prefill included)."""
-        return new_tokens * self.modeled_round_ms(1, 0, temperature)
-
     def prefill_estimate_ms(self, prompt_tokens: int, batch_size: int = 1) -> float:
         """A prefill of `batch_size` rows of `prompt_tokens` tokens, interpolated in the batch's total tokens between
         a one-token forward (a plain step) and the timed prefills (a prefill's matrix products are over every row's
@@ -106,18 +102,6 @@ class CostModel:
         view = self.for_batch(batch_size)
         rate = max(view.tokens_per_ms(w, acceptance) for w in range(1, max(view.target_ms) + 1))
         return self.prefill_estimate_ms(prompt_tokens, batch_size) + new_tokens / rate
-
-    def round_oracle_ms(self, stats: SpeculationStats) -> float:
-        """The modeled greedy time of the same request had every round verified only as many of its drafts as
-        the target then accepted (or the cheapest larger count: verify latency is not monotonic on every device),
-        at the same drafting widths: what a per-round verify controller that knew each outcome would take.
-
-        At T = 0 verifying any count from the accepted one up commits the same tokens, so the request's rounds
-        are unchanged and this bounds every per-round verify budget at these widths from below."""
-        return sum(
-            self.draft_ms(w) + min(self.verify_ms(k + 1) for k in range(a, d + 1))
-            for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round, strict=True)
-        )
 
     def round_ms_table(self, block_size: int, temperature: float, device: torch.device | str = "cpu") -> torch.Tensor:
         """(b,) latency of a round that drafts `block_size` slots and verifies k = 0..b-1 of them."""

@@ -162,16 +162,8 @@ CONTROLLERS = ("default", "adaptive", "fixed", "heuristic", "ema", "entropy")
 def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int | None) -> DraftController:
     """The `--controller` of a command: `default` is what `generate` runs with no controller
     (`default_controller`); `block_size` (if given) replaces the drafter's policy as the width."""
-    from ..controllers import (
-        AcceptanceEMA,
-        AdaptiveVerify,
-        DraftController,
-        EntropyStop,
-        HeuristicSchedule,
-        PolicyBlockSize,
-        SpeculationGuard,
-        default_controller,
-    )
+    from ..controllers import AdaptiveVerify, DraftController, PolicyBlockSize, SpeculationGuard, default_controller
+    from ..tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
     policy = drafter.policy if block_size is None else None
     width = block_size or drafter.block_size

@@ -29,9 +29,10 @@ PER_PROMPT_ONLY = {
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch_size:
         return cmd_batch_bench(args)
-    from ..controllers import AdaptiveVerify, baseline_controllers
+    from ..controllers import AdaptiveVerify
     from ..data import load_prompts
     from ..device_calibration import resolve_cost_model
+    from ..tools.baselines import baseline_controllers
     from ..tools.bench import markdown_report, run_benchmark
 
     file_cost_model = load_cost_model(args.cost_model) if args.cost_model else None  # a wrong path fails first

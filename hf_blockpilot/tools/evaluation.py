@@ -327,6 +327,19 @@ def decode_methods(
     return results
 
 
+def round_oracle_ms(cost_model: CostModel, stats: SpeculationStats) -> float:
+    """The modeled greedy time of the same request had every round verified only as many of its drafts as the
+    target then accepted (or the cheapest larger count: verify latency is not monotonic on every device), at the
+    same drafting widths: what a per-round verify controller that knew each outcome would take.
+
+    At T = 0 verifying any count from the accepted one up commits the same tokens, so the request's rounds are
+    unchanged and this bounds every per-round verify budget at these widths from below."""
+    return sum(
+        cost_model.draft_ms(w) + min(cost_model.verify_ms(k + 1) for k in range(a, d + 1))
+        for w, d, a in zip(stats.widths_per_round, stats.drafted_per_round, stats.accepted_per_round, strict=True)
+    )
+
+
 def method_result(
     prompt_id: str,
     method: str,
@@ -344,12 +357,9 @@ def method_result(
     new_tokens = out.shape[1] - prompt_tokens
     modeled = oracle = None
     if cost_model is not None:
-        modeled = (
-            cost_model.modeled_decode_ms(stats, temperature)
-            if stats
-            else cost_model.modeled_plain_ms(new_tokens, temperature)
-        ) / 1000
-        oracle = cost_model.round_oracle_ms(stats) / 1000 if fixed and stats and temperature == 0 else None
+        plain_ms = new_tokens * cost_model.modeled_round_ms(1, 0, temperature)  # one plain step a token
+        modeled = (cost_model.modeled_decode_ms(stats, temperature) if stats else plain_ms) / 1000
+        oracle = round_oracle_ms(cost_model, stats) / 1000 if fixed and stats and temperature == 0 else None
     return MethodResult(
         prompt_id=prompt_id,
         method=method,
@@ -388,7 +398,7 @@ def summarize_methods(results: Sequence[MethodResult]) -> dict[str, dict[str, fl
     fixed block size. `overhead`: the policy's and the per-round controller's decision time, as a share of
     generation time. Where the results carry modeled times (`decode_methods(cost_model=...)`): the same
     figures on the cost model's clock, `modeled_speedup` (the oracle then picks by modeled tokens/s) and, per fixed
-    b at T = 0, `round_oracle_speedup`: the per-round verify oracle at that width (`CostModel.round_oracle_ms`).
+    b at T = 0, `round_oracle_speedup`: the per-round verify oracle at that width (`round_oracle_ms`).
     """
     by_method: dict[str, list[MethodResult]] = {}
     for r in results:
