@@ -582,7 +582,7 @@ class BatchedSpeculativeDecoder:
         row = self.rows[0]
         room = self.max_length - row.ids.shape[1]
         looked = row.lookup.continuation(row.ids, min(row.lookup_budget.most, room - 1)) if room > 1 else []
-        row.keep = row.lookup_budget.drafts(len(looked))
+        row.keep = row.lookup_budget.drafts(len(looked), row.lookup.matched)
         row.lookup_drafts = looked[: row.keep]
         row.stats.lookup_rounds += row.keep > 0
         return row.keep > 0
@@ -798,7 +798,7 @@ class BatchedSpeculativeDecoder:
             row.stats.accepted_per_round.append(min(accepted[r], len(cut) - 1))
             row.controller.observe(row.keep, accepted[r])
             if row.lookup_budget is not None:
-                row.lookup_budget.evidence.observe(row.keep, accepted[r])
+                row.lookup_budget.observe(row.keep, accepted[r])
             if stop or timed_out or row.ids.shape[1] >= self.max_length:
                 done.append(r)
         if done:

@@ -319,32 +319,46 @@ class TauEvidence:
         }
 
 
-#: Per-slot acceptance of prompt lookup's drafts, each given the ones before it accepted (greedy SmolLM2-135M
-#: answers to 36 evaluation prompts measured 0.69-0.72, then 0.74-0.89; taken lower: docs/benchmarks.md, "Prompt
-#: lookup alone").
-LOOKUP_ACCEPTANCE = (0.65, 0.75, 0.80, 0.80, 0.80, 0.80, 0.80, 0.80)
+#: Per-slot acceptance of prompt lookup's drafts, each given the ones before it accepted, by the length of the n-gram
+#: the lookup matched (`scripts/lookup_acceptance.py`): after 2 tokens the lowest of the embedded target's chat and
+#: code training answers and 36 evaluation answers (first slot 0.50-0.53 in all three), after 3-4 the evaluation
+#: answers' (0.76-0.79; the long training answers repeat more, 0.89-0.91), rounded down: docs/benchmarks.md.
+LOOKUP_ACCEPTANCE = {
+    2: (0.50, 0.60, 0.70, 0.70, 0.75, 0.80, 0.80, 0.80),
+    3: (0.75, 0.75, 0.80, 0.80, 0.80, 0.85, 0.85, 0.85),
+    4: (0.75, 0.75, 0.80, 0.80, 0.80, 0.85, 0.85, 0.85),
+}
 
 
 class LookupBudget:
     """How many of prompt lookup's drafts a request whose drafter no longer drafts verifies a round: the count
     that commits the most tokens per ms of a round with no drafter forward under `cost_model`, at the request's
-    acceptance of such drafts (`LOOKUP_ACCEPTANCE` worth `prior_trials` slots, corrected by its lookup rounds,
-    `TauEvidence`); 0: a plain step."""
+    acceptance of drafts looked up after a match of that length (`LOOKUP_ACCEPTANCE` worth `prior_trials` slots,
+    corrected by its own lookup rounds after such matches, `TauEvidence`); 0: a plain step."""
 
     def __init__(self, cost_model: CostModel, temperature: float, prior_trials: float = 16.0):
-        committed = expected_committed(torch.tensor(LOOKUP_ACCEPTANCE)).tolist()
-        self.evidence = TauEvidence({k + 1: tau for k, tau in enumerate(committed)}, prior_trials)
+        self.evidence = {
+            n: TauEvidence(dict(enumerate(expected_committed(torch.tensor(rates)).tolist(), start=1)), prior_trials)
+            for n, rates in LOOKUP_ACCEPTANCE.items()
+        }
         self.cost_model = cost_model
         self.temperature = temperature
-        self.most = len(LOOKUP_ACCEPTANCE)
+        self.most = max(len(rates) for rates in LOOKUP_ACCEPTANCE.values())
+        self.matched = 0  # the match length of the round last decided
 
-    def drafts(self, available: int) -> int:
-        """Of `available` looked-up drafts, how many to verify."""
-        if available == 0:
+    def drafts(self, available: int, matched: int) -> int:
+        """Of `available` drafts looked up after a `matched`-token n-gram, how many to verify."""
+        self.matched = min(matched, max(self.evidence))
+        if available == 0 or self.matched not in self.evidence:
             return 0
-        tau = self.evidence.current()
+        tau = self.evidence[self.matched].current()
         ms = self.cost_model.modeled_round_ms
         return max(range(min(available, self.most) + 1), key=lambda k: tau[k + 1] / ms(1, k, self.temperature))
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """The outcome of the round `drafts` last decided (nothing verified: nothing learned)."""
+        if verified:
+            self.evidence[self.matched].observe(verified, accepted)
 
 
 def fastest_width(curves: Sequence[dict[int, float]], cost_model: CostModel, temperature: float) -> tuple[int, float]:

@@ -28,6 +28,7 @@ class NgramLookup:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.matched = 0  # the length of the n-gram the last continuation followed (0: none matched)
         self._tokens: list[int] = []
         # n-gram -> index just after its most recent occurrence that has a successor token.
         self._next_index: dict[tuple[int, ...], int] = {}
@@ -43,11 +44,13 @@ class NgramLookup:
 
     def continuation(self, input_ids: torch.LongTensor, max_tokens: int) -> list[int]:
         """Up to `max_tokens` ids that followed the latest earlier occurrence of the longest matching tail
-        n-gram of `input_ids` (1, n); empty if none matches."""
+        n-gram of `input_ids` (1, n); empty if none matches. Its length is `matched`."""
         self._extend(input_ids)
         tokens = self._tokens
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             start = self._next_index.get(tuple(tokens[-n:]))
             if start is not None:
+                self.matched = n
                 return tokens[start : start + max_tokens]
+        self.matched = 0
         return []

@@ -58,11 +58,12 @@ def decode(prompt: list[int], answer: list[int], cost: CostModel, fixed: int | N
     position, ms = 0, cost.verify_ms(1)  # the prefill's token
     while position < len(answer) - 1:
         looked = lookup.continuation(torch.tensor([prompt + answer[: position + 1]]), len(answer) - position - 1)
-        count = min(fixed, len(looked)) if fixed else budget.drafts(len(looked))
+        count = min(fixed, len(looked)) if fixed else budget.drafts(len(looked), lookup.matched)
         accepted = 0
         while accepted < count and looked[accepted] == answer[position + 1 + accepted]:
             accepted += 1
-        budget.evidence.observe(count, accepted)
+        if not fixed:
+            budget.observe(count, accepted)
         ms += cost.verify_ms(count + 1)
         position += accepted + 1
     return ms

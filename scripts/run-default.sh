@@ -7,4 +7,4 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
 PROMPT="${1:-Write a Python function that checks whether a string is a palindrome.}"
-hf-blockpilot generate "$PROMPT" --prompt-lookup --compare --repeats "${REPEATS:-3}" --max-new-tokens "${MAX_NEW_TOKENS:-128}"
+hf-blockpilot generate "$PROMPT" --prompt-lookup --compare --repeats "${REPEATS:-5}" --max-new-tokens "${MAX_NEW_TOKENS:-128}"

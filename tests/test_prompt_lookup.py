@@ -36,8 +36,10 @@ def test_lookup_prefers_longest_then_most_recent_match():
     #          0  1  2  3  4  5  6  7  8  9 10
     tokens = [5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7]
     # the 3-gram (5, 6, 7) occurred at 0..2, followed by 8; the 2-gram (6, 7) more recently, followed by 9
-    assert lookup.continuation(_ids(tokens), 3) == [8, 1, 6]
-    assert NgramLookup(max_ngram=2, min_ngram=2).continuation(_ids(tokens), 3) == [9, 5, 6]
+    assert lookup.continuation(_ids(tokens), 3) == [8, 1, 6] and lookup.matched == 3
+    bigrams = NgramLookup(max_ngram=2, min_ngram=2)
+    assert bigrams.continuation(_ids(tokens), 3) == [9, 5, 6] and bigrams.matched == 2
+    assert lookup.continuation(_ids([*tokens, 4]), 3) == [] and lookup.matched == 0  # no earlier (7, 4)
     assert NgramLookup().continuation(_ids([1, 2, 3, 4]), 5) == []  # no earlier occurrence of the tail
     assert NgramLookup().continuation(_ids([3, 3]), 4) == []  # the tail itself is never its own match
     assert NgramLookup().continuation(_ids([3, 3, 3]), 4) == [3]  # (3, 3) at 0..1, followed by one token
@@ -177,15 +179,19 @@ def test_a_request_decoding_plain_still_verifies_lookup_drafts_that_pay():
     assert torch.equal(got, expected) and drafter.last_stats.lookup_rounds == 0 and drafter.last_stats.tau == 1.0
 
 
-def test_the_lookup_budget_follows_the_costs_and_the_request_s_own_acceptance():
+def test_the_lookup_budget_follows_the_costs_the_match_and_the_request_s_own_acceptance():
     cheap = CostModel(target_ms={1: 10.0, 2: 10.5, 9: 10.5}, drafter_ms={})
     budget = LookupBudget(cheap, temperature=0.0)
-    assert budget.drafts(0) == 0 and budget.drafts(3) == 3 and budget.drafts(100) == budget.most
-    assert LookupBudget(CostModel(target_ms={1: 10.0, 2: 20.0}, drafter_ms={}), 0.0).drafts(8) == 0  # never pays
-    zen3 = LookupBudget(CostModel(target_ms={1: 10.0, 2: 13.8, 4: 22.0, 8: 39.0}, drafter_ms={}), 0.0)
-    assert zen3.drafts(8) >= 1  # at the prior acceptance, a short lookup verify pays on an AVX2-only Zen 3
+    assert budget.drafts(0, 4) == 0 and budget.drafts(3, 2) == 3 and budget.drafts(100, 4) == budget.most
+    assert budget.drafts(8, 0) == 0 and budget.drafts(8, 1) == 0  # no match (or none the priors know): plain
+    assert LookupBudget(CostModel(target_ms={1: 10.0, 2: 20.0}, drafter_ms={}), 0.0).drafts(8, 4) == 0  # never pays
+    zen3 = LookupBudget(CostModel(target_ms={1: 10.0, 2: 15.5, 4: 22.0, 8: 39.0}, drafter_ms={}), 0.0)
+    # a 2-token verify at 1.55 plain steps: a draft after a 2-token match (accepted half the time) does not pay,
+    # drafts after a 4-token match do
+    assert zen3.drafts(8, 2) == 0 and zen3.drafts(8, 4) >= 1 and zen3.drafts(8, 6) == zen3.drafts(8, 4)
     rejected = 0
-    while zen3.drafts(8) and rejected < 20:  # every looked-up draft rejected: the request's evidence turns lookup off
-        zen3.evidence.observe(zen3.drafts(8), 0)
+    while zen3.drafts(8, 4) and rejected < 20:  # every looked-up draft rejected: the request's evidence turns it off
+        zen3.observe(zen3.drafts(8, 4), 0)
         rejected += 1
-    assert zen3.drafts(8) == 0 and 2 <= rejected < 20  # not on the first rejection, but within a few
+    assert zen3.drafts(8, 4) == 0 and 2 <= rejected < 20  # not on the first rejection, but within a few
+    assert zen3.drafts(8, 3) >= 1  # the evidence is kept per match length
