@@ -319,14 +319,12 @@ class TauEvidence:
         }
 
 
-#: Per-slot acceptance of prompt lookup's drafts, each given the ones before it accepted, by the length of the n-gram
-#: the lookup matched (`scripts/lookup_acceptance.py`): after 2 tokens the lowest of the embedded target's chat and
-#: code training answers and 36 evaluation answers (first slot 0.50-0.53 in all three), after 3-4 the evaluation
-#: answers' (0.76-0.79; the long training answers repeat more, 0.89-0.91), rounded down: docs/benchmarks.md.
+#: Per-slot acceptance of prompt lookup's drafts, each given the ones before it accepted, after a match of 2 and of
+#: 3 or more tokens: the lowest measured on the embedded target's greedy answers, rounded down (2: 0.50-0.53 over
+#: training and evaluation answers; 3+: 0.76-0.91): docs/benchmarks.md, "Lookup acceptance by match length".
 LOOKUP_ACCEPTANCE = {
     2: (0.50, 0.60, 0.70, 0.70, 0.75, 0.80, 0.80, 0.80),
     3: (0.75, 0.75, 0.80, 0.80, 0.80, 0.85, 0.85, 0.85),
-    4: (0.75, 0.75, 0.80, 0.80, 0.80, 0.85, 0.85, 0.85),
 }
 
 
@@ -347,7 +345,7 @@ class LookupBudget:
         self.matched = 0  # the match length of the round last decided
 
     def drafts(self, available: int, matched: int) -> int:
-        """Of `available` drafts looked up after a `matched`-token n-gram, how many to verify."""
+        """Of `available` drafts looked up after a `matched`-token n-gram (3 or more: alike), how many to verify."""
         self.matched = min(matched, max(self.evidence))
         if available == 0 or self.matched not in self.evidence:
             return 0

@@ -38,12 +38,7 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, decode_dtypes
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .exact_verify import (
-    remember_row_exact,
-    row_exact_table,
-    slot_key_lengths,
-    verify_view,
-)
+from .exact_verify import remember_row_exact, row_exact_table, slot_key_lengths, verify_view
 from .modeling_block_diffusion import DraftContextCache
 
 logger = logging.getLogger(__name__)

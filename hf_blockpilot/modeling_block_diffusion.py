@@ -21,11 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3MLP,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ._compat import tensor_version
 from .attention import draft_attention_mask, grouped_sdpa

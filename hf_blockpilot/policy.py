@@ -249,8 +249,7 @@ class BlockPilotPolicy(
     def serving_controller(self) -> str:
         """What verifies its widths' drafts by default (`controllers.default_controller`): as its labels' rounds
         were verified, `"adaptive"` (`AdaptiveVerify`) for `collect --adaptive` labels, else `"fixed"` (every draft
-        verified: what a τ policy's prices assume; on the 2-core Xeon of docs/benchmarks.md it also measured
-        faster than `AdaptiveVerify` under the same policy in 4 of 7 settings and slower in 2)."""
+        verified: what a τ policy's prices assume)."""
         return "adaptive" if self.label_controller == "adaptive" else "fixed"
 
     def attach_verify_model(self, acceptance: AcceptanceModel | None, cost: CostModel | None) -> None:

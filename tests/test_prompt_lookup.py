@@ -194,4 +194,6 @@ def test_the_lookup_budget_follows_the_costs_the_match_and_the_request_s_own_acc
         zen3.observe(zen3.drafts(8, 4), 0)
         rejected += 1
     assert zen3.drafts(8, 4) == 0 and 2 <= rejected < 20  # not on the first rejection, but within a few
-    assert zen3.drafts(8, 3) >= 1  # the evidence is kept per match length
+    fresh = LookupBudget(zen3.cost_model, 0.0)
+    assert zen3.evidence[2].acceptance == fresh.evidence[2].acceptance  # the evidence is kept per match length
+    assert zen3.drafts(8, 3) == 0 and fresh.drafts(8, 3) == fresh.drafts(8, 4)  # 3 tokens or more: one class
