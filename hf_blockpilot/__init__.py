@@ -30,7 +30,6 @@ from .policy import BlockPilotPolicy
 from .prompt_lookup import NgramLookup
 from .routing import install_generate_routing
 from .stats import SpeculationStats
-from .tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
 __version__ = "0.1.0.dev0"
 
@@ -39,7 +38,6 @@ AutoModel.register(BlockDiffusionConfig, BlockDiffusionDrafter, exist_ok=True)
 install_generate_routing()
 
 __all__ = [
-    "AcceptanceEMA",
     "AdaptiveVerify",
     "BlockDiffusionConfig",
     "BlockDiffusionDrafter",
@@ -47,8 +45,6 @@ __all__ = [
     "BlockSizePolicy",
     "CostModel",
     "DraftController",
-    "EntropyStop",
-    "HeuristicSchedule",
     "NgramLookup",
     "PolicyBlockSize",
     "SpeculationGuard",

@@ -17,16 +17,14 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_blockpilot.batched as batched_module
 from hf_blockpilot import (
-    AcceptanceEMA,
     AdaptiveVerify,
     CostModel,
     DraftController,
-    EntropyStop,
-    HeuristicSchedule,
     PolicyBlockSize,
     SpeculationGuard,
 )
 from hf_blockpilot.stats import BatchSpeculationStats, SpeculationStats
+from hf_blockpilot.tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
 VOCAB, HIDDEN, LAYERS = 48, 64, 4
 

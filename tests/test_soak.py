@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import ScriptedDrafter, make_dflash2_drafter, make_drafter, make_target
 
-from hf_blockpilot import AcceptanceEMA, AdaptiveVerify, DraftController, EntropyStop, HeuristicSchedule
+from hf_blockpilot import AdaptiveVerify, DraftController
 from hf_blockpilot.costs import CostModel
+from hf_blockpilot.tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
 VOCAB, HIDDEN = 40, 48
 CASES = 1000
