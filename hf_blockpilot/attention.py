@@ -37,15 +37,23 @@ def draft_attention_mask(
     q_len: int, k_len: int, is_causal: bool, sliding_window: int | None, device: torch.device
 ) -> torch.Tensor | None:
     """The DFlash reference's boolean mask (1, 1, q_len, k_len), True = attend, for the last `q_len` of `k_len`
-    contiguous keys as queries: causal, a query sees no later key; with a window W, no key W or more tokens
-    before it (and, not causal, none W or more after it). `None` when every key is visible. Built on `device`."""
+    contiguous keys as queries (`draft_visibility`). `None` when every key is visible. Built on `device`."""
     if not is_causal and sliding_window is None:
         return None
-    query = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    distance = query - torch.arange(k_len, device=device)[None, :]  # how far each key lies before the query
+    keys = torch.arange(k_len, device=device)[None]
+    return draft_visibility(keys[:, k_len - q_len :], keys, is_causal, sliding_window)
+
+
+def draft_visibility(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, is_causal: bool, sliding_window: int | None
+) -> torch.Tensor:
+    """(batch, 1, q, k) True where a query at `query_positions` (batch, q) sees a key at `key_positions` (batch, k):
+    causal, no later key; with a window W, no key W or more tokens before it (and, not causal, none W or more
+    after it)."""
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # how far each key lies before the query
     visible = distance >= 0 if is_causal else torch.ones_like(distance, dtype=torch.bool)
     if sliding_window is not None:
         visible &= distance < sliding_window
         if not is_causal:
             visible &= distance > -sliding_window
-    return visible[None, None]
+    return visible[:, None]

@@ -40,7 +40,7 @@ from ._compat import SELECTION_KEEPS_POSITIONS, cache_argument
 from .controllers import DraftController, DraftedRound, LookupBudget, SpeculationGuard, fastest_width
 from .costs import MIN_PREDICTED_GAIN
 from .exact_verify import slot_key_lengths
-from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache
+from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache, StaticDraftContextCache
 from .prompt_lookup import NgramLookup
 from .stats import BatchSpeculationStats, SpeculationStats
 
@@ -309,7 +309,8 @@ class BatchedSpeculativeDecoder:
     """Runs one call (see the module docstring) with its prepared `controller` (`prepare_controller`), after checking
     that the loop serves the call (`check_batched_call`); `plain_target`: the stock model where `target` is the call's
     exact-path view; `prompt_lookup`: default `drafter.prompt_lookup`; `compiled`: the target's compiled call, for the
-    forwards after the prefill, over a static cache of `capacity` slots. `run()` returns the padded sequences."""
+    forwards after the prefill, over a static cache of `capacity` slots; `compiled_drafter`: the drafter's, for its
+    block forwards over a static context cache as large. `run()` returns the padded sequences."""
 
     def __init__(
         self,
@@ -326,6 +327,7 @@ class BatchedSpeculativeDecoder:
         prompt_lookup: bool | None = None,
         compiled: Callable[..., Any] | None = None,
         capacity: int | None = None,
+        compiled_drafter: Callable[..., Any] | None = None,
     ):
         mask = model_kwargs.get("attention_mask")
         self.prompt_mask = (torch.ones_like(input_ids) if mask is None else mask).to(torch.long)
@@ -393,7 +395,12 @@ class BatchedSpeculativeDecoder:
         self.finished: list[torch.Tensor] = [torch.empty(0)] * len(self.rows)
         self.plan: RaggedCache | None = None  # the cache's layout, from the prefill on
         self.positions = self.prompt_mask.cumsum(-1) - 1  # as plain generate: positions count real tokens only
-        self.draft_cache = DraftContextCache()
+        self.compiled_drafter = compiled_drafter
+        self.draft_cache = (
+            DraftContextCache()
+            if compiled_drafter is None
+            else StaticDraftContextCache(len(self.rows), capacity, drafter.device)
+        )
         self.context_valid = self.prompt_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, valid, positions)
         drafter.last_stats = self.call_stats
@@ -595,15 +602,20 @@ class BatchedSpeculativeDecoder:
         block_ids = torch.full((rows, width), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = self.anchor
         block_positions = self.next_position[:, None] + torch.arange(width, device=self.device)[None, :]
+        if self.compiled_drafter is not None:  # the context taken in eagerly, the block forward in fixed shapes
+            self.drafter.extend_context(hidden, positions, self.draft_cache)
+            hidden, positions = hidden.new_zeros(rows, 0, hidden.shape[-1]), positions.new_zeros(rows, 0)
+            self.draft_cache.block_positions = block_positions
         mask = None  # one unpadded row sees all its context and slots: the drafter's own masks (its causal layers)
         if not self.single:
             slot_visible = (
                 torch.arange(width, device=self.device)[None, :] < torch.tensor(widths, device=self.device)[:, None]
             )
-            visible = torch.cat([self.context_valid, slot_visible], dim=1)
+            context = self.context_valid if self.compiled_drafter is None else self.draft_cache.filled
+            visible = torch.cat([context, slot_visible], dim=1)
             mask = visible[:, None, None, :].expand(rows, 1, width, visible.shape[1])
         out = (
-            self.drafter(
+            (self.compiled_drafter or self.drafter)(
                 block_embeds=self.drafter.embed_block(self.embed_tokens, block_ids).to(self.drafter.device),
                 block_position_ids=block_positions,
                 target_hidden=hidden,
@@ -776,7 +788,9 @@ class BatchedSpeculativeDecoder:
         mask grows by them (unless one unpadded row, which sees all its context)."""
         hidden, valid, positions = (torch.cat(parts, dim=1) for parts in zip(*self.pending, strict=True))
         self.pending = []
-        if not self.single:
+        if self.compiled_drafter is not None:
+            self.draft_cache.place(positions, valid)
+        elif not self.single:
             self.context_valid = torch.cat([self.context_valid, valid], dim=1)
         return hidden, positions.masked_fill(~valid, 0)
 

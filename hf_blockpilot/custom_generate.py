@@ -52,9 +52,10 @@ def generate(
     - `prompt_lookup`: draft repeated text by lookup (default `drafter.prompt_lookup`);
     - `calibrate`: weigh this machine's measured costs, calibrating once if needed (default: on unless
       `HF_BLOCKPILOT_CALIBRATE=0`); off, the shipped fallback table;
-    - `compile`: every target forward after the prefill runs `torch.compile`d (a `CompileConfig`, or True for
-      `COMPILE_CONFIG`) over a static cache; decisions weigh the compiled forwards' own timings, and a warning
-      says where they are probed not to round as plain decoding's steps. The first call pays the compilation.
+    - `compile`: the target's forwards after the prefill and the drafter's block forwards run `torch.compile`d
+      (a `CompileConfig`, or True for `COMPILE_CONFIG`) over static caches; decisions weigh the compiled forwards'
+      own timings, and a warning says where they are probed not to round as plain decoding's steps. The first call
+      pays the compilation.
 
     Returns the sequences, or with `return_dict_in_generate=True` an output carrying them (and the scores, logits,
     attentions or hidden states asked for, one row) and this call's `speculation_stats`."""
@@ -68,11 +69,12 @@ def generate(
             setattr(generation_config, name, True)
     rows = input_ids.shape[0]
     controller = prepare_controller(model, drafter, draft_controller, rows, calibrate)
-    compiled = capacity = None
+    compiled = compiled_drafter = capacity = None
     if compile:
         if generation_config.output_attentions:
             raise ValueError("compile=True returns no attentions (its static cache pads them): drop one of the two")
-        compiled = model.get_compiled_call(COMPILE_CONFIG if compile is True else compile)
+        config = COMPILE_CONFIG if compile is True else compile
+        compiled, compiled_drafter = model.get_compiled_call(config), drafter.compiled_forward(config)
         capacity = static_capacity(generation_config.max_length, controller.max_width())
         controller.use_cost_model(
             compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
@@ -92,6 +94,7 @@ def generate(
         prompt_lookup=prompt_lookup,
         compiled=compiled,
         capacity=capacity,
+        compiled_drafter=compiled_drafter,
     )
     sequences = decoder.run()
     if not generation_config.return_dict_in_generate:

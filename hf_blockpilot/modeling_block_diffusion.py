@@ -13,18 +13,18 @@ from __future__ import annotations
 import contextvars
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import PreTrainedModel
+from transformers import CompileConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ._compat import tensor_version
-from .attention import draft_attention_mask, grouped_sdpa
+from .attention import draft_attention_mask, draft_visibility, grouped_sdpa
 from .configuration_block_diffusion import BlockDiffusionConfig, build_target_layer_ids
 from .controllers import check_block_size
 
@@ -122,6 +122,67 @@ class DraftContextCache:
         return grown
 
 
+class StaticDraftContextCache:
+    """Context K/V in storage allocated once, for a compiled drafter (`generate(..., compile=True)`): `capacity`
+    slots a row, each context token at the slot of its position, and the last slot a sink for the entries no row
+    keeps. Every forward sees the whole storage, masked where no context is written, so a block forward's shapes
+    depend only on its width. `place` says where the next context goes; `block_positions` are the next block's."""
+
+    def __init__(self, rows: int, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.filled = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        self.slot_positions = torch.arange(capacity, device=device)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self.slots = self.block_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
+
+    def place(self, positions: torch.LongTensor, valid: torch.Tensor) -> None:
+        """The next context's (rows, n) `positions`; entries not `valid` go to the sink slot and stay unseen."""
+        self.slots = positions.masked_fill(~valid, self.capacity - 1)
+        self.filled.scatter_(1, self.slots, valid)
+
+    def update(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        block_key: torch.Tensor | None = None,
+        block_value: torch.Tensor | None = None,
+        keep: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `DraftContextCache.update`, with the context written at the `place`d slots and the whole storage
+        returned (then the block's K/V); `keep` is unused (`attention_mask` applies a window)."""
+        if layer_idx == len(self._keys):
+            shape = (*key.shape[:-2], self.capacity, key.shape[-1])
+            self._keys.append(key.new_zeros(shape))
+            self._values.append(value.new_zeros(shape))
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if key.shape[-2]:
+            index = self.slots[:, None, :, None].expand_as(key)
+            keys.scatter_(2, index, key)
+            values.scatter_(2, index, value)
+        if block_key is None:
+            return keys, values
+        return torch.cat([keys, block_key], dim=-2), torch.cat([values, block_value], dim=-2)
+
+    def attention_mask(self, is_causal: bool, sliding_window: int | None) -> torch.Tensor:
+        """(rows, 1, width, capacity + width): what each slot of the block at `block_positions` sees of the written
+        context and the block, under a layer's causal and window rules (`draft_visibility`)."""
+        rows = self.filled.shape[0]
+        keys = torch.cat([self.slot_positions.expand(rows, -1), self.block_positions], dim=1)
+        written = torch.cat([self.filled, torch.ones_like(self.block_positions, dtype=torch.bool)], dim=1)
+        return written[:, None, None, :] & draft_visibility(self.block_positions, keys, is_causal, sliding_window)
+
+    def select_rows(self, index: torch.LongTensor) -> None:
+        """Keep only the batch rows `index` (a batch's finished rows leave it)."""
+        self._keys = [stored.index_select(0, index) for stored in self._keys]
+        self._values = [stored.index_select(0, index) for stored in self._values]
+        self.filled = self.filled.index_select(0, index)
+
+
+DraftCache = DraftContextCache | StaticDraftContextCache
+
+
 class BlockDiffusionAttention(nn.Module):
     """Attention of block queries over [context ; block] keys/values (Qwen3 style, q/k norms): non-causal and
     unwindowed unless the config makes this layer causal or a sliding-window layer."""
@@ -159,7 +220,7 @@ class BlockDiffusionAttention(nn.Module):
         block_rotary: tuple[torch.Tensor, torch.Tensor],
         context_rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        cache: DraftContextCache | None = None,
+        cache: DraftCache | None = None,
     ) -> torch.Tensor:
         batch, q_len = hidden_states.shape[:2]
         query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
@@ -170,7 +231,9 @@ class BlockDiffusionAttention(nn.Module):
             key, value = torch.cat([key_ctx, key_blk], dim=-2), torch.cat([value_ctx, value_blk], dim=-2)
         else:
             key, value = cache.update(self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, keep=self.context_keep)
-        if attention_mask is None:
+        if attention_mask is None and isinstance(cache, StaticDraftContextCache):
+            attention_mask = cache.attention_mask(self.is_causal, self.sliding_window)
+        elif attention_mask is None:
             attention_mask = draft_attention_mask(
                 q_len, key.shape[-2], self.is_causal, self.sliding_window, hidden_states.device
             )
@@ -504,7 +567,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
     def extend_context(
-        self, target_hidden: torch.Tensor, context_position_ids: torch.LongTensor, cache: DraftContextCache
+        self, target_hidden: torch.Tensor, context_position_ids: torch.LongTensor, cache: DraftCache
     ) -> None:
         """Append the context K/V of new target hidden states to `cache` without drafting a block (what a
         forward does to the cache, for rounds drafted otherwise)."""
@@ -521,7 +584,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
         target_hidden: torch.Tensor,
         context_position_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
-        cache: DraftContextCache | None = None,
+        cache: DraftCache | None = None,
         block_size: int | None = None,
     ) -> BaseModelOutput:
         """Run the drafter over one or more blocks.
@@ -557,6 +620,12 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
                 block_size=block_size,
             )
         return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+
+    def compiled_forward(self, config: CompileConfig) -> Callable[..., BaseModelOutput]:
+        """`forward` `torch.compile`d with `config`, once per config (as `PreTrainedModel.get_compiled_call`)."""
+        if getattr(self, "_compiled_forward", (None,))[0] != config:
+            self._compiled_forward = (config, torch.compile(self.forward, **config.to_dict()))
+        return self._compiled_forward[1]
 
     def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weight (and bias) of the target LM head restricted to the draft vocabulary (all rows if full)."""

@@ -8,7 +8,9 @@ so each package routes calls with its own drafter class. Per dtype, the embedded
 lookup off) decodes the same prompts with the default controller and with fixed widths (`--block-sizes`, default
 4) through both packages, and
 plain `generate` runs beside them, every configuration timed the same way in interleaved repeats (median of the
-repeats' summed seconds). Outputs are checked token-identical to plain `generate` in the same dtype.
+repeats' summed seconds). Outputs are checked token-identical to plain `generate` in the same dtype. `--compile`:
+both packages' loops run with `compile=True`, and plain `generate` compiled over a static cache (`PLAIN_COMPILED`)
+runs beside plain eager; compilation happens in the untimed warm-up.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ def import_old(tree: Path):
 
 def decode(target, ids, config: tuple, gen: dict) -> torch.Tensor:
     """`config`: (the package's `custom_generate` loop, or None for plain `generate`; the drafter; the draft
-    controller). Each package's loop is called through Transformers' seam, so neither routes the other's calls."""
-    loop, drafter, controller = config
+    controller; extra `generate` keywords). Each package's loop is called through Transformers' seam, so neither
+    routes the other's calls."""
+    loop, drafter, controller, extra = config
     if loop is None:
-        return target.generate(ids, **gen)
-    return target.generate(ids, custom_generate=loop, drafter=drafter, draft_controller=controller, **gen)
+        return target.generate(ids, **gen, **extra)
+    return target.generate(ids, custom_generate=loop, drafter=drafter, draft_controller=controller, **gen, **extra)
 
 
 def main() -> int:
@@ -49,18 +52,21 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-sizes", type=int, nargs="*", default=[4], help="fixed widths timed beside the default")
+    parser.add_argument("--compile", action="store_true", help="compile=True on both sides; plain compiled beside")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    torch._dynamo.config.recompile_limit = 64  # every configuration's graphs: past the limit torch runs eager
 
     old = import_old(args.old)  # first: it captures stock `generate`
     import hf_blockpilot as new
     from hf_blockpilot.data import chat_inputs, load_prompts
     from hf_blockpilot.device_calibration import describe_device
+    from hf_blockpilot.tools.evaluation import PLAIN_COMPILED
     from hf_blockpilot.tools.loading import load_default_target
 
     torch.set_num_threads(torch.get_num_threads())
     records = load_prompts("humaneval", args.prompts) + load_prompts("mtbench", args.prompts)
-    report = {"old_tree": str(args.old), "threads": torch.get_num_threads(), "rows": []}
+    report = {"old_tree": str(args.old), "compile": args.compile, "threads": torch.get_num_threads(), "rows": []}
     for dtype in args.dtypes:
         target, tokenizer = load_default_target(dtype=dtype)
         report["device"] = describe_device(target.device)
@@ -73,10 +79,13 @@ def main() -> int:
             pairs[name] = drafter
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
         entries = {"old": old.generate, "new": new.generate}
-        configs = {"plain": (None, None, None)}
+        configs = {"plain": (None, None, None, {})}
+        if args.compile:
+            configs["plain compiled"] = (None, None, None, PLAIN_COMPILED)
+        ours = {"compile": True} if args.compile else {}
         for name, drafter in pairs.items():
             for label, controller in [("default", None)] + [(f"b={b}", b) for b in args.block_sizes]:
-                configs[f"{name} {label}"] = (entries[name], drafter, controller)
+                configs[f"{name} {label}"] = (entries[name], drafter, controller, ours)
         expected = [decode(target, ids, configs["plain"], gen) for ids in prompts]  # also warms up
         for name, config in configs.items():  # warm-up and exactness
             for ids, want in zip(prompts, expected, strict=True):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import make_drafter, make_target, make_windowed_drafter
 
 from hf_blockpilot.attention import grouped_sdpa
-from hf_blockpilot.modeling_block_diffusion import DraftContextCache
+from hf_blockpilot.modeling_block_diffusion import DraftContextCache, StaticDraftContextCache
 
 
 @pytest.mark.parametrize("kv_heads,groups", [(2, 1), (2, 2), (3, 3)])
@@ -99,3 +99,57 @@ def test_sliding_window_layers_drop_the_context_out_of_reach(layer_types, is_cau
     storage = [keys.shape[-2] for keys in cache._keys]
     assert storage[0] <= 128, storage  # the sliding layer: its window's reach, new tokens and room to spare
     assert storage[1] >= seen if layer_types[1] == "full_attention" else storage[1] <= 128
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "is_causal", "compiled"),
+    [
+        (None, None, True),
+        (["sliding_attention", "full_attention"], None, False),
+        (["sliding_attention"] * 2, True, False),
+    ],
+)
+def test_static_cache_rounds_equal_one_uncached_forward(layer_types, is_causal, compiled):
+    """`compile=True`'s drafter cache (each context token at its position's slot, the whole storage masked): every
+    round, eager or compiled, drafts as one uncached forward over the context; entries not kept (a batch row's
+    rejected drafts) go to the sink slot unseen, and the next round writes those positions for real."""
+    from transformers import CompileConfig
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=0)
+    kwargs = dict(block_size=4, num_hidden_layers=2)
+    drafter = (
+        make_drafter(target, **kwargs)
+        if layer_types is None
+        else make_windowed_drafter(target, 3, layer_types, is_causal, **kwargs)
+    )
+    forward = drafter.compiled_forward(CompileConfig(fullgraph=True)) if compiled else drafter
+    width = len(drafter.target_layer_ids) * 64
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randn(1, 60, width, generator=gen)
+    cache, seen = StaticDraftContextCache(1, 64, torch.device("cpu")), 0
+    with torch.no_grad():
+        for round_, new in enumerate((9, 1, 3, 2, 1, 4)):
+            rejected = 2 if round_ % 2 else 0  # states of drafts the round did not keep, past its new context
+            hidden = torch.cat([context[:, seen : seen + new], torch.randn(1, rejected, width, generator=gen)], 1)
+            positions = torch.arange(seen, seen + new + rejected)[None]
+            valid = positions < seen + new
+            cache.place(positions, valid)
+            drafter.extend_context(hidden, positions.masked_fill(~valid, 0), cache)
+            embeds, block_positions = _block(64, seen + new, 4, round_)
+            cache.block_positions = block_positions
+            static = forward(
+                block_embeds=embeds,
+                block_position_ids=block_positions,
+                target_hidden=hidden[:, :0],
+                context_position_ids=positions[:, :0],
+                cache=cache,
+            ).last_hidden_state
+            uncached = drafter(
+                block_embeds=embeds,
+                block_position_ids=block_positions,
+                target_hidden=context[:, : seen + new],
+                context_position_ids=torch.arange(seen + new)[None],
+            ).last_hidden_state
+            torch.testing.assert_close(static, uncached, rtol=1e-5, atol=1e-5)
+            seen += new
+    assert cache._keys[0].shape[-2] == 64 and int(cache.filled.sum()) == seen  # storage allocated once
