@@ -77,7 +77,9 @@ def generate(
         compiled, compiled_drafter = model.get_compiled_call(config), drafter.compiled_forward(config)
         capacity = static_capacity(generation_config.max_length, controller.max_width())
         controller.use_cost_model(
-            compiled_cost_model(model, compiled, controller.cost_model, controller.max_width(), capacity)
+            compiled_cost_model(
+                model, compiled, controller.cost_model, controller.max_width(), capacity, drafter, compiled_drafter
+            )
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
     decoder = BatchedSpeculativeDecoder(

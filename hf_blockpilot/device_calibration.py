@@ -39,7 +39,7 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 from ._compat import cache_argument, decode_dtypes
 from .costs import PRIOR_ACCEPTANCE, CostModel
 from .exact_verify import remember_row_exact, row_exact_table, slot_key_lengths, verify_view
-from .modeling_block_diffusion import DraftContextCache
+from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache, StaticDraftContextCache
 
 logger = logging.getLogger(__name__)
 
@@ -225,10 +225,8 @@ class Calibration:
         return "\n".join(lines)
 
 
-#: Per target: the compiled verify costs measured for it (`compiled_cost_model`), by shapes.
-_compiled_ms: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[dict[int, float], list[int]]]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Per target (and per drafter): the compiled verify (block) costs measured for it (`compiled_cost_model`), by shapes.
+_compiled_ms: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()  # as the loop runs (inference mode would compile graphs of its own)
@@ -238,13 +236,17 @@ def compiled_cost_model(
     cost: CostModel,
     max_width: int,
     capacity: int,
+    drafter: BlockDiffusionDrafter | None = None,
+    compiled_drafter: Callable[..., Any] | None = None,
     repeats: int = 3,
     context_tokens: int = 64,
 ) -> CostModel:
     """`cost` with its target forwards as `generate(..., compile=...)` runs them: `compiled` (the target's compiled
     call) over the loop's static cache of `capacity` slots, for each width up to `max_width`: probed against plain
     decoding's eager one-token steps (`inexact_rows`: those whose logits or cached keys/values differ bit for bit)
-    and timed. Compiles the graphs the call then runs; measured once per target and shapes."""
+    and timed; and, given the `drafter` and its `compiled_drafter` forward, its block forwards over a static context
+    cache as large, timed as the calibration times them. Compiles the graphs the call then runs; measured once per
+    model and shapes."""
     from .batched import RaggedCache
 
     sizes = [n for n in sorted(cost.target_ms) if n <= max_width]
@@ -270,12 +272,58 @@ def compiled_cost_model(
         ms = interleaved_median_ms({n: verify(n) for n in sizes}, repeats, ids.device)
         measured[key] = (ms, inexact)
     ms, inexact = measured[key]
+    drafter_ms, timed = cost.drafter_ms, "target forwards"
+    draft_sizes = tuple(n for n in sorted(cost.drafter_ms) if n <= max_width)
+    if compiled_drafter is not None and draft_sizes:
+        drafts, draft_key = _compiled_ms.setdefault(drafter, {}), (capacity, draft_sizes, str(drafter.dtype))
+        if draft_key not in drafts:
+            drafts[draft_key] = _compiled_draft_ms(target, drafter, compiled_drafter, draft_sizes, capacity, repeats)
+        drafter_ms, timed = {**cost.drafter_ms, **drafts[draft_key]}, "target and drafter forwards"
     return dataclasses.replace(
-        cost,
-        target_ms=ms,
-        inexact_rows=inexact,
-        source=f"{cost.source}; target forwards timed compiled",
+        cost, target_ms=ms, drafter_ms=drafter_ms, inexact_rows=inexact, source=f"{cost.source}; {timed} timed compiled"
     )
+
+
+def _compiled_draft_ms(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    compiled_drafter: Callable[..., Any],
+    sizes: tuple[int, ...],
+    capacity: int,
+    repeats: int,
+    context_tokens: int = 64,
+) -> dict[int, float]:
+    """Milliseconds of `compiled_drafter`'s block forward (and the draft head) per width in `sizes`, after a
+    `context_tokens`-token context in a static cache of `capacity` slots."""
+    device = target.device
+    ids = torch.randint(0, target.get_input_embeddings().weight.shape[0], (1, context_tokens + max(sizes)))
+    ids = ids.to(device)
+    states = target(ids[:, :context_tokens], output_hidden_states=True).hidden_states
+    hidden = torch.cat([states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(drafter.dtype)
+    positions = torch.arange(context_tokens, device=device)[None]
+    cache = StaticDraftContextCache(1, capacity, device)
+    cache.place(positions, torch.ones_like(positions, dtype=torch.bool))
+    drafter.extend_context(hidden, positions, cache)
+    head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
+
+    def draft(n: int) -> Callable[[], None]:
+        embeds = drafter.embed_block(target.get_input_embeddings(), ids[:, context_tokens : context_tokens + n])
+        block_positions = positions[:, :n] + context_tokens
+
+        def run() -> None:
+            cache.block_positions = block_positions
+            h = compiled_drafter(
+                block_embeds=embeds.to(drafter.dtype),
+                block_position_ids=block_positions,
+                target_hidden=hidden.new_zeros(1, 0, hidden.shape[-1]),
+                context_position_ids=positions.new_zeros(1, 0),
+                cache=cache,
+            ).last_hidden_state
+            drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias).argmax(-1)
+
+        return run
+
+    return interleaved_median_ms({n: draft(n) for n in sizes}, repeats, device)
 
 
 def _plain_steps(

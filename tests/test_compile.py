@@ -103,6 +103,25 @@ def test_compiled_cost_model_times_each_width_and_flags_one_that_rounds_unlike_p
     assert sorted(cost.target_ms) == [1, 2, 3, 4]  # widths past the call's widest are not compiled for it
     assert all(ms > 0 for ms in cost.target_ms.values()) and cost.target_ms != shipped.target_ms
     assert {3, 4} <= set(cost.inexact_rows)
-    assert "compiled" in cost.source and cost.drafter_ms == shipped.drafter_ms
+    assert "compiled" in cost.source and cost.drafter_ms == shipped.drafter_ms  # no compiled drafter given
     again = compiled_cost_model(target, perturbed, dataclasses.replace(shipped), 4, CAPACITY_STEP, repeats=1)
     assert again.target_ms == cost.target_ms  # measured once per target and shapes
+
+
+def test_compiled_cost_model_times_the_compiled_drafter_per_width(target):
+    from conftest import make_drafter
+    from transformers import CompileConfig
+
+    drafter = make_drafter(target, block_size=4, num_hidden_layers=1)
+    calls = []
+    compiled_forward = drafter.compiled_forward(CompileConfig(fullgraph=True))
+
+    def compiled_drafter(**kwargs):
+        calls.append(kwargs["block_embeds"].shape[1])
+        return compiled_forward(**kwargs)
+
+    shipped = CostModel(target_ms={1: 10.0, 2: 11.0, 4: 13.0}, drafter_ms={2: 50.0, 4: 60.0, 8: 70.0})
+    cost = compiled_cost_model(target, target, shipped, 4, CAPACITY_STEP, drafter, compiled_drafter, repeats=1)
+    assert set(calls) == {2, 4}  # the widths the call may draft, each through the compiled block forward
+    assert cost.drafter_ms[8] == 70.0 and all(0 < cost.drafter_ms[n] < 50.0 for n in (2, 4))
+    assert "target and drafter forwards timed compiled" in cost.source
