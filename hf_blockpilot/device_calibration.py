@@ -39,7 +39,7 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 from ._compat import cache_argument, decode_dtypes
 from .costs import PRIOR_ACCEPTANCE, CostModel
 from .exact_verify import remember_row_exact, row_exact_table, slot_key_lengths, verify_view
-from .modeling_block_diffusion import BlockDiffusionDrafter, DraftContextCache, StaticDraftContextCache
+from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftContextCache, StaticDraftContextCache
 
 logger = logging.getLogger(__name__)
 
@@ -293,37 +293,54 @@ def _compiled_draft_ms(
     repeats: int,
     context_tokens: int = 64,
 ) -> dict[int, float]:
-    """Milliseconds of `compiled_drafter`'s block forward (and the draft head) per width in `sizes`, after a
+    """Milliseconds of `compiled_drafter`'s block forward (`_draft_run`) per width in `sizes`, after a
     `context_tokens`-token context in a static cache of `capacity` slots."""
-    device = target.device
     ids = torch.randint(0, target.get_input_embeddings().weight.shape[0], (1, context_tokens + max(sizes)))
-    ids = ids.to(device)
+    ids = ids.to(target.device)
     states = target(ids[:, :context_tokens], output_hidden_states=True).hidden_states
     hidden = torch.cat([states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(drafter.dtype)
-    positions = torch.arange(context_tokens, device=device)[None]
-    cache = StaticDraftContextCache(1, capacity, device)
-    cache.place(positions, torch.ones_like(positions, dtype=torch.bool))
-    drafter.extend_context(hidden, positions, cache)
+    fns = {
+        n: _draft_run(target, drafter, hidden, ids[:, context_tokens : context_tokens + n], capacity, compiled_drafter)
+        for n in sizes
+    }
+    return interleaved_median_ms(fns, repeats, target.device)
+
+
+def _draft_run(
+    target: PreTrainedModel,
+    drafter: BlockDiffusionDrafter,
+    hidden: torch.Tensor,
+    block: torch.LongTensor,
+    capacity: int | None = None,
+    compiled: Callable[..., Any] | None = None,
+) -> Callable[[], None]:
+    """One drafting step as the loop runs it, to time: the drafter's forward over `block` (rows, n) after the
+    context of target states `hidden` (rows, c, ·) taken in, then the draft head's argmax; eager over a growing
+    cache, or the `compiled` forward over a static one of `capacity` slots."""
+    rows, context_tokens = hidden.shape[:2]
+    context_positions = torch.arange(context_tokens, device=hidden.device)[None].expand(rows, -1)
+    positions = context_tokens + torch.arange(block.shape[1], device=hidden.device)[None].expand(rows, -1)
+    cache: DraftCache = DraftContextCache()
+    if compiled is not None:
+        cache = StaticDraftContextCache(rows, capacity, hidden.device)
+        cache.place(context_positions, torch.ones_like(context_positions, dtype=torch.bool))
+        cache.block_positions = positions
+    drafter.extend_context(hidden, context_positions, cache)
+    embed = target.get_input_embeddings()
     head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
 
-    def draft(n: int) -> Callable[[], None]:
-        embeds = drafter.embed_block(target.get_input_embeddings(), ids[:, context_tokens : context_tokens + n])
-        block_positions = positions[:, :n] + context_tokens
+    def run() -> None:
+        h = (compiled or drafter)(
+            block_embeds=drafter.embed_block(embed, block).to(drafter.dtype),
+            block_position_ids=positions,
+            target_hidden=hidden.new_zeros(rows, 0, hidden.shape[-1]),
+            context_position_ids=positions.new_zeros(rows, 0),
+            cache=cache,
+        ).last_hidden_state
+        # contiguous, as generate hands it over (a strided bfloat16 input sends F.linear down a slow path)
+        drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias).argmax(-1)
 
-        def run() -> None:
-            cache.block_positions = block_positions
-            h = compiled_drafter(
-                block_embeds=embeds.to(drafter.dtype),
-                block_position_ids=block_positions,
-                target_hidden=hidden.new_zeros(1, 0, hidden.shape[-1]),
-                context_position_ids=positions.new_zeros(1, 0),
-                cache=cache,
-            ).last_hidden_state
-            drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias).argmax(-1)
-
-        return run
-
-    return interleaved_median_ms({n: draft(n) for n in sizes}, repeats, device)
+    return run
 
 
 def _plain_steps(
@@ -455,8 +472,6 @@ def _forward_ms(
         lambda: target(context, **with_prefix, output_hidden_states=True, logits_to_keep=1), device
     )
     hidden = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(drafter.dtype)
-    head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())
-    embed = target.get_input_embeddings()
 
     def verify(n: int, model: nn.Module) -> Callable[[], None]:
         block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
@@ -465,26 +480,6 @@ def _forward_ms(
             with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):  # as generate's
                 model(block, **with_prefix, output_hidden_states=True)
             prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
-
-        return run
-
-    def draft(n: int) -> Callable[[], None]:
-        block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
-        cache = DraftContextCache()
-        positions = torch.arange(context_tokens, context_tokens + n, device=device)[None].expand(batch_size, -1)
-        context_positions = torch.arange(context_tokens, device=device)[None].expand(batch_size, -1)
-        drafter.extend_context(hidden, context_positions, cache)
-
-        def run() -> None:
-            h = drafter(
-                block_embeds=drafter.embed_block(embed, block).to(drafter.dtype),
-                block_position_ids=positions,
-                target_hidden=hidden[:, :0],
-                context_position_ids=positions[:, :0],
-                cache=cache,
-            ).last_hidden_state
-            # contiguous, as generate hands it over (a strided bfloat16 input sends F.linear down a slow path)
-            drafter.head_logits(h[:, 1:].contiguous(), head_weight, head_bias).argmax(-1)
 
         return run
 
@@ -498,7 +493,10 @@ def _forward_ms(
     def draw() -> None:
         torch.multinomial(probs, num_samples=1)
 
-    fns: dict[Any, Callable[[], None]] = {("drafter", n): draft(n) for n in widths if n > 1}
+    blocks = {n: torch.randint(0, vocab, (batch_size, n), generator=generator).to(device) for n in widths if n > 1}
+    fns: dict[Any, Callable[[], None]] = {
+        ("drafter", n): _draft_run(target, drafter, hidden, b) for n, b in blocks.items()
+    }
     if batch_size == 1:
         fns.update(sampling_process=process_row, sampling_draw=draw)
     model = verify_view(target, batch_size)  # made once, outside the timings
