@@ -25,4 +25,5 @@ for _ in range(3):
     target.generate(ids, **gen)
     times.append(time.perf_counter() - start)
 first, later = times[0], times[1:]
-print(json.dumps({"package": hf_blockpilot.__file__, "first_s": first, "later_s": later, "compile_s": first - min(later)}))
+report = {"package": hf_blockpilot.__file__, "first_s": first, "later_s": later, "compile_s": first - min(later)}
+print(json.dumps(report))
