@@ -605,7 +605,6 @@ class BatchedSpeculativeDecoder:
         if self.compiled_drafter is not None:  # the context taken in eagerly, the block forward in fixed shapes
             self.drafter.extend_context(hidden, positions, self.draft_cache)
             hidden, positions = hidden.new_zeros(rows, 0, hidden.shape[-1]), positions.new_zeros(rows, 0)
-            self.draft_cache.block_positions = block_positions
         mask = None  # one unpadded row sees all its context and slots: the drafter's own masks (its causal layers)
         if not self.single:
             slot_visible = (

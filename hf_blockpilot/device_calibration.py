@@ -324,7 +324,6 @@ def _draft_run(
     if compiled is not None:
         cache = StaticDraftContextCache(rows, capacity, hidden.device)
         cache.place(context_positions, torch.ones_like(context_positions, dtype=torch.bool))
-        cache.block_positions = positions
     drafter.extend_context(hidden, context_positions, cache)
     embed = target.get_input_embeddings()
     head_weight, head_bias = drafter.draft_head(target.get_output_embeddings())

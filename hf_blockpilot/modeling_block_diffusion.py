@@ -126,7 +126,7 @@ class StaticDraftContextCache:
     """Context K/V in storage allocated once, for a compiled drafter (`generate(..., compile=True)`): `capacity`
     slots a row, each context token at the slot of its position, and the last slot a sink for the entries no row
     keeps. Every forward sees the whole storage, masked where no context is written, so a block forward's shapes
-    depend only on its width. `place` says where the next context goes; `block_positions` are the next block's."""
+    depend only on its width. `place` says where the next context goes."""
 
     def __init__(self, rows: int, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
@@ -134,7 +134,7 @@ class StaticDraftContextCache:
         self.slot_positions = torch.arange(capacity, device=device)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
-        self.slots = self.block_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
+        self.slots = torch.zeros(rows, 0, dtype=torch.long, device=device)
 
     def place(self, positions: torch.LongTensor, valid: torch.Tensor) -> None:
         """The next context's (rows, n) `positions`; entries not `valid` go to the sink slot and stay unseen."""
@@ -165,13 +165,15 @@ class StaticDraftContextCache:
             return keys, values
         return torch.cat([keys, block_key], dim=-2), torch.cat([values, block_value], dim=-2)
 
-    def attention_mask(self, is_causal: bool, sliding_window: int | None) -> torch.Tensor:
-        """(rows, 1, width, capacity + width): what each slot of the block at `block_positions` sees of the written
-        context and the block, under a layer's causal and window rules (`draft_visibility`)."""
+    def attention_mask(
+        self, block_positions: torch.LongTensor, is_causal: bool, sliding_window: int | None
+    ) -> torch.Tensor:
+        """(rows, 1, width, capacity + width): what each slot of the block at `block_positions` (rows, width) sees
+        of the written context and the block, under a layer's causal and window rules (`draft_visibility`)."""
         rows = self.filled.shape[0]
-        keys = torch.cat([self.slot_positions.expand(rows, -1), self.block_positions], dim=1)
-        written = torch.cat([self.filled, torch.ones_like(self.block_positions, dtype=torch.bool)], dim=1)
-        return written[:, None, None, :] & draft_visibility(self.block_positions, keys, is_causal, sliding_window)
+        keys = torch.cat([self.slot_positions.expand(rows, -1), block_positions], dim=1)
+        written = torch.cat([self.filled, torch.ones_like(block_positions, dtype=torch.bool)], dim=1)
+        return written[:, None, None, :] & draft_visibility(block_positions, keys, is_causal, sliding_window)
 
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keep only the batch rows `index` (a batch's finished rows leave it)."""
@@ -221,6 +223,7 @@ class BlockDiffusionAttention(nn.Module):
         context_rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache: DraftCache | None = None,
+        block_positions: torch.LongTensor | None = None,
     ) -> torch.Tensor:
         batch, q_len = hidden_states.shape[:2]
         query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
@@ -232,7 +235,7 @@ class BlockDiffusionAttention(nn.Module):
         else:
             key, value = cache.update(self.layer_idx, key_ctx, value_ctx, key_blk, value_blk, keep=self.context_keep)
         if attention_mask is None and isinstance(cache, StaticDraftContextCache):
-            attention_mask = cache.attention_mask(self.is_causal, self.sliding_window)
+            attention_mask = cache.attention_mask(block_positions, self.is_causal, self.sliding_window)
         elif attention_mask is None:
             attention_mask = draft_attention_mask(
                 q_len, key.shape[-2], self.is_causal, self.sliding_window, hidden_states.device
@@ -615,6 +618,7 @@ class BlockDiffusionDrafter(BlockDiffusionPreTrainedModel):
                 context,
                 block_rotary=block_rotary,
                 context_rotary=context_rotary,
+                block_positions=block_position_ids,
                 attention_mask=attention_mask,
                 cache=cache,
                 block_size=block_size,

@@ -136,7 +136,6 @@ def test_static_cache_rounds_equal_one_uncached_forward(layer_types, is_causal, 
             cache.place(positions, valid)
             drafter.extend_context(hidden, positions.masked_fill(~valid, 0), cache)
             embeds, block_positions = _block(64, seen + new, 4, round_)
-            cache.block_positions = block_positions
             static = forward(
                 block_embeds=embeds,
                 block_position_ids=block_positions,
