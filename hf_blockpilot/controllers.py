@@ -14,6 +14,7 @@ sampling the verifier's test runs on exactly the distributions the kept drafts w
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -276,6 +277,14 @@ def expected_committed(acceptance: torch.Tensor) -> torch.Tensor:
     return torch.cat([survival.new_ones(1), 1.0 + torch.cumsum(survival, dim=0)])
 
 
+@functools.lru_cache(maxsize=64)
+def _geometric_fit(fits: tuple[tuple[int, float], ...]) -> float:
+    """The per-slot acceptance (0 .. 0.995 in steps of 0.005) whose `geometric_tau` fits the (width, τ) pairs best
+    (least squares); kept, as the same fits recur (`LookupBudget`'s priors, every request)."""
+    grid = [i / 200 for i in range(200)]
+    return min(grid, key=lambda a: sum((geometric_tau(a, b) - t) ** 2 for b, t in fits))
+
+
 @dataclass
 class TauEvidence:
     """A request's predicted τ(b) per candidate width, corrected by the acceptance its own rounds show.
@@ -294,9 +303,7 @@ class TauEvidence:
     failures: float = field(init=False)
 
     def __post_init__(self) -> None:
-        fits = [(b, t) for b, t in self.predicted.items() if b > 1]
-        grid = [i / 200 for i in range(200)]  # acceptance 0 .. 0.995
-        self.prior_acceptance = min(grid, key=lambda a: sum((geometric_tau(a, b) - t) ** 2 for b, t in fits))
+        self.prior_acceptance = _geometric_fit(tuple((b, t) for b, t in self.predicted.items() if b > 1))
         self.successes = self.prior_trials * self.prior_acceptance
         self.failures = self.prior_trials * (1.0 - self.prior_acceptance)
 

@@ -419,7 +419,7 @@ def test_generate_reports_device_dtype_and_cost_source_and_times_both_sides_alik
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["dtype"] == "float32" and result["device"]  # calibration off in tests: auto keeps float32
     assert result["costs"].startswith("shipped fallback") and result["controller"].startswith("guarded(")
-    assert result["timed_runs"].startswith("2 per side, no streaming") and result["identical_to_plain"] is True
+    assert result["timed_runs"].startswith("2 per side, back to back") and result["identical_to_plain"] is True
 
 
 def test_auto_dtype_is_chosen_for_the_prompt_and_answer_length_asked(tmp_path, capsys, monkeypatch):

@@ -180,3 +180,38 @@ def test_decode_methods_times_every_method_on_the_cost_model_too(monkeypatch):
     ]
     assert summary["oracle"]["modeled_speedup"] == pytest.approx(speedup(best, "modeled_seconds"))
     assert summary["plain"]["modeled_speedup"] == 1.0
+
+
+def test_compare_with_plain_pairs_each_round_and_alternates_the_order(monkeypatch):
+    """Each round times every side back to back, the order reversed every other round, and a speedup is the median
+    of the rounds' own ratios: a host that slows down between rounds moves both sides of a round alike."""
+    from hf_blockpilot.tools import evaluation
+
+    target = make_target("llama", vocab_size=48, hidden_size=64, seed=0)
+    input_ids = torch.tensor([[1, 2, 3]])
+    new_tokens = 10
+    order: list[str] = []
+    # the host's speed, one value a run: drifting between rounds, and once within a round
+    slowdown = iter([1.0, 1.0, 3.0, 3.0, 1.2, 2.0])
+
+    def scripted(model, ids, drafter=None, **kwargs):
+        side = "ours" if drafter is not None else "plain"
+        sequences = torch.zeros(1, ids.shape[1] + kwargs["max_new_tokens"], dtype=torch.long)
+        if kwargs["max_new_tokens"] != new_tokens:  # the warm-up
+            return evaluation.TimedRun(sequences, 1.0, None)
+        order.append(side)
+        seconds = (0.8 if side == "ours" else 1.0) * next(slowdown)  # ours 1.25x plain in two rounds of three
+        return evaluation.TimedRun(sequences, seconds, None)
+
+    monkeypatch.setattr(evaluation, "timed_generate", scripted)
+    monkeypatch.setattr(evaluation, "plain_in_other_dtypes", lambda target: {})
+    gen = dict(max_new_tokens=new_tokens, do_sample=False)
+    answer = torch.zeros(1, 3 + new_tokens, dtype=torch.long)
+    result = evaluation.compare_with_plain(target, input_ids, object(), None, gen, 3, answer)
+
+    assert order == ["ours", "plain", "plain", "ours", "ours", "plain"]
+    assert result["speedup"] == pytest.approx(1.25) and result["speedup_vs_fastest_plain"] == pytest.approx(1.25)
+    # the ratio of the sides' median runs would be 2.08: ours' median run (10.4 tokens/s) over plain's (5.0)
+    assert result["plain_tokens_per_second"] == pytest.approx(new_tokens / 2.0, abs=0.01)
+    assert result["speculative_tokens_per_second"] == pytest.approx(new_tokens / 0.96, abs=0.01)
+    assert result["identical_to_plain"] is True

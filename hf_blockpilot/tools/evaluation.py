@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,46 +91,58 @@ def compare_with_plain(
     compile: bool = False,
 ) -> dict:
     """Speculative decoding with `controller` against plain `generate` on one prompt, all sides timed alike:
-    warmed, no streaming, `repeats` runs each taken in turn, the median kept. Plain decoding is timed in the
-    target's dtype (the lossless reference: `speedup`) and in every other dtype of `decode_dtypes`; the
-    fastest of them is `fastest_plain` (`speedup_vs_fastest_plain`). `gen`: the generate arguments; `answer`:
-    the output shown to the user (greedy: checked identical to plain too). `compile`: ours runs compiled, and
-    plain decoding is also timed compiled over a static cache (`"<dtype> compiled"`); compile time stays in the
-    warm-up."""
+    warmed, no streaming, `repeats` rounds in which every side runs once, back to back (the order reversed every
+    other round, so no side always runs first); tokens/s are each side's median run, and each speedup is the median
+    of the rounds' own ratios (a slow drift of the host's speed moves both sides of a round alike). Plain decoding
+    is timed in the target's dtype (the lossless reference: `speedup`) and in every other dtype of
+    `decode_dtypes`; the fastest of them is `fastest_plain` (`speedup_vs_fastest_plain`). `gen`: the generate
+    arguments; `answer`: the output shown to the user (greedy: checked identical to plain too). `compile`: ours
+    runs compiled, and plain decoding is also timed compiled over a static cache (`"<dtype> compiled"`); compile
+    time stays in the warm-up."""
     own = str(next(target.parameters()).dtype).removeprefix("torch.")
     plains = {name: (model, {}) for name, model in ({own: target} | plain_in_other_dtypes(target)).items()}
     if compile:
         plains[f"{own} compiled"] = (target, PLAIN_COMPILED)
     ours_gen = dict(draft_controller=controller, compile=True) if compile else dict(draft_controller=controller)
-    warm = dict(max_new_tokens=8, do_sample=False)
-    timed_generate(target, input_ids, drafter, **ours_gen, **warm)
-    for model, extra in plains.values():
-        timed_generate(model, input_ids, **extra, **warm)
-    ours, plain = [], {name: [] for name in plains}
-    for _ in range(repeats):
-        ours.append(timed_generate(target, input_ids, drafter, **ours_gen, **gen))
-        for name, (model, extra) in plains.items():
-            plain[name].append(timed_generate(model, input_ids, **extra, **gen))
-    out, seconds, _ = _median_run(ours)
-    plain_out = _median_run(plain[own]).sequences
-    tps = {}
-    for name, runs in plain.items():
-        median = _median_run(runs)
-        tps[name] = (median.sequences.shape[1] - input_ids.shape[1]) / median.seconds
-    ours_tps = (out.shape[1] - input_ids.shape[1]) / seconds
+    sides: dict[str, Callable[[dict], TimedRun]] = {
+        OURS: lambda kwargs: timed_generate(target, input_ids, drafter, **ours_gen, **kwargs)
+    }
+    for name, (model, extra) in plains.items():
+        sides[name] = lambda kwargs, model=model, extra=extra: timed_generate(model, input_ids, **extra, **kwargs)
+    for run in sides.values():
+        run(dict(max_new_tokens=8, do_sample=False))
+    runs: dict[str, list[TimedRun]] = {name: [] for name in sides}
+    for i in range(repeats):
+        for name in list(sides)[:: 1 if i % 2 == 0 else -1]:
+            runs[name].append(sides[name](gen))
+    prompt = input_ids.shape[1]
+    rates = {name: [(run.sequences.shape[1] - prompt) / run.seconds for run in each] for name, each in runs.items()}
+    tps = {name: statistics.median(each) for name, each in rates.items() if name != OURS}
     fastest = max(tps, key=tps.get)
+    out = _median_run(runs[OURS]).sequences
+    plain_out = _median_run(runs[own]).sequences
     result = {
-        "timed_runs": f"{repeats} per side, no streaming, after a warm-up (median)",
-        "speculative_tokens_per_second": round(ours_tps, 2),
+        "timed_runs": f"{repeats} per side, back to back in alternating order, no streaming, after a warm-up "
+        "(tokens/s: median run; speedups: median of the per-round ratios)",
+        "speculative_tokens_per_second": round(statistics.median(rates[OURS]), 2),
         "plain_tokens_per_second": round(tps[own], 2),
-        "speedup": round(ours_tps / tps[own], 3),
+        "speedup": round(_paired_ratio(rates[OURS], rates[own]), 3),
         "plain_tokens_per_second_by_dtype": {name: round(value, 2) for name, value in tps.items()},
         "fastest_plain": fastest,
-        "speedup_vs_fastest_plain": round(ours_tps / tps[fastest], 3),
+        "speedup_vs_fastest_plain": round(_paired_ratio(rates[OURS], rates[fastest]), 3),
     }
     if not gen["do_sample"]:
         result["identical_to_plain"] = bool(torch.equal(answer, plain_out)) and bool(torch.equal(out, plain_out))
     return result
+
+
+#: `compare_with_plain`'s name for the speculative side.
+OURS = "ours"
+
+
+def _paired_ratio(ours: Sequence[float], plain: Sequence[float]) -> float:
+    """The median over timing rounds of ours / plain tokens/s, each round's two runs taken back to back."""
+    return statistics.median(a / b for a, b in zip(ours, plain, strict=True))
 
 
 def _median_run(runs: list[TimedRun]) -> TimedRun:
