@@ -1,7 +1,7 @@
 """Per-slot acceptance of prompt lookup's drafts by the length of the n-gram the lookup matched, along greedy
 answers: the target's own answers, so a looked-up draft is accepted iff it equals the answer's next token. Rounds
-run as the loop runs them (look up at each position with `NgramLookup`'s rule, up to 8 drafts, commit the accepted
-ones + 1). What `LOOKUP_ACCEPTANCE` in hf_blockpilot/controllers.py is read from.
+run as the loop runs them (`NgramLookup` at each round, up to 8 drafts, commit the accepted ones + 1). What
+`LOOKUP_ACCEPTANCE` in hf_blockpilot/controllers.py is read from.
 
     .venv/bin/python scripts/lookup_acceptance.py training-data/smollm2-135m-instruct-answers-seed7.jsonl.gz
     .venv/bin/python scripts/lookup_acceptance.py runs/lookup-alone/answers.json   # the held-out answers
@@ -18,7 +18,9 @@ import gzip
 import json
 from collections.abc import Iterator
 
-from hf_blockpilot.prompt_lookup import MAX_NGRAM, MIN_NGRAM
+import torch
+
+from hf_blockpilot.prompt_lookup import MAX_NGRAM, MIN_NGRAM, NgramLookup
 
 SLOTS = 8
 
@@ -37,28 +39,18 @@ def answers(path: str) -> Iterator[tuple[str, list[int], list[int]]]:
 
 def count(prompt: list[int], answer: list[int], stats: dict) -> None:
     """Add one answer's lookup rounds to `stats[(matched length, slot)] = [accepted, trials]`."""
-    tokens, index, indexed = prompt + answer, {}, 0
-    position = 0  # answer tokens committed before this round, less the prefill's one
-    while position < len(answer) - 1:
-        end = len(prompt) + position + 1
-        for stop in range(max(indexed, 1), end):  # an n-gram is indexed once its successor exists
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, stop) + 1):
-                index[tuple(tokens[stop - n : stop])] = stop
-        indexed = max(indexed, end)
-        looked, matched = [], 0
-        for n in range(min(MAX_NGRAM, end), MIN_NGRAM - 1, -1):
-            start = index.get(tuple(tokens[end - n : end]))
-            if start is not None:
-                looked, matched = tokens[start : min(start + SLOTS, end)], n
-                break
+    tokens, lookup = prompt + answer, NgramLookup()
+    end = len(prompt) + 1  # the committed tokens: the prompt and the prefill's one
+    while end < len(tokens):
+        looked = lookup.continuation(torch.tensor([tokens[:end]]), SLOTS)
         accepted = 0
         for slot, draft in enumerate(looked[: len(tokens) - end]):
-            stats[(matched, slot)][1] += 1
+            stats[(lookup.matched, slot)][1] += 1
             if draft != tokens[end + slot]:
                 break
-            stats[(matched, slot)][0] += 1
+            stats[(lookup.matched, slot)][0] += 1
             accepted += 1
-        position += accepted + 1
+        end += accepted + 1
 
 
 def main() -> None:
