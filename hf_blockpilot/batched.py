@@ -143,7 +143,9 @@ def hidden_states_to_keep(
 
 class RaggedLayer(DynamicLayer):
     """A target cache layer whose rows have their own lengths: `update` writes each row's new keys/values at the
-    offsets its `RaggedCache` planned (right after the row's committed ones) and returns the first `end` slots."""
+    offsets its `RaggedCache` planned (right after the row's committed ones) and returns the first `end` slots;
+    one unpadded row's are appended to its committed ones, as plain decoding's `DynamicLayer` appends (one
+    `torch.cat`, cheaper at these lengths than writing into spare room and slicing it)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, plan: RaggedCache):
         super().__init__()
@@ -155,15 +157,17 @@ class RaggedLayer(DynamicLayer):
         if self.plan.static:  # fixed shapes (a compiled forward): no host ints read, the whole storage returned
             self._write_at_index(key_states, value_states)
             return self.keys, self.values
+        if self.plan.single:  # one row: appended as plain decoding's cache appends (rejected slots cut first)
+            committed = self.plan.host_lengths[0]
+            self.keys, self.values = (
+                torch.cat([stored if stored.shape[-2] == committed else stored[..., :committed, :], new], dim=-2)
+                for stored, new in ((self.keys, key_states), (self.values, value_states))
+            )
+            return self.keys, self.values
         end = self.plan.end
         if end > self.keys.shape[-2]:  # room for as much again: growth stays rare
             self.keys, self.values = (self._grown(stored, 2 * end) for stored in (self.keys, self.values))
-        if self.plan.single:  # one row's slots are one run: a plain copy, no index tensors on the hot path
-            start = self.plan.host_lengths[0]
-            self.keys[..., start : start + key_states.shape[-2], :] = key_states
-            self.values[..., start : start + value_states.shape[-2], :] = value_states
-        else:
-            self._write_at_index(key_states, value_states)
+        self._write_at_index(key_states, value_states)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def _write_at_index(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -220,10 +224,10 @@ class RaggedCache:
         one unpadded row the (1, end) mask of ones plain decoding passes (so its attention takes the path plain
         decoding's does: a 4-D mask sends SDPA down another kernel, which rounds half precision differently)."""
         self.end = max(self.host_lengths) + slots
+        if self.single and not self.static:  # its layers append (`RaggedLayer.update`): no write index
+            return self.lengths.new_ones(1, self.end)
         offsets = torch.arange(slots, device=self.lengths.device)
         self.write_index = self.lengths[:, None] + offsets[None, :]
-        if self.single and not self.static:
-            return self.lengths.new_ones(1, self.end)
         keys = torch.arange(self.capacity or self.end, device=self.lengths.device)
         mask = keys[None, None, :] <= self.write_index[:, :, None]
         prompt = self.key_valid.shape[1]
