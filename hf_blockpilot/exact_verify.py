@@ -206,17 +206,16 @@ def call_view(model: nn.Module) -> nn.Module:
     own = copy.copy(config)
 
     def view_of(module: nn.Module) -> nn.Module:
-        cls = type(module)
-        view = cls.__new__(cls)  # what `copy.copy` makes of a module (its default reduce), without the detour
-        view.__dict__.update(
-            {
-                name: value.copy() if type(value) in (dict, OrderedDict, set) else value
-                for name, value in vars(module).items()
-            }
-        )
-        view._modules = {name: None if child is None else view_of(child) for name, child in module._modules.items()}
-        if config is not None and getattr(module, "config", None) is config:
-            view.config = own
+        view = object.__new__(type(module))  # what `copy.copy` makes of a module (its default reduce), directly
+        tables = module.__dict__.copy()
+        for name, value in tables.items():
+            if type(value) in (dict, OrderedDict, set):
+                tables[name] = value.copy()
+        children = module._modules.items()
+        tables["_modules"] = {name: None if child is None else view_of(child) for name, child in children}
+        if config is not None and tables.get("config") is config:
+            tables["config"] = own
+        view.__dict__ = tables
         return view
 
     return view_of(model)
