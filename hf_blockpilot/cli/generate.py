@@ -102,10 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also time plain generate the same way (warmed, unstreamed, --repeats runs each): speedup and "
-        "identical output",
+        help="also time plain generate the same way (warmed, unstreamed, --repeats rounds of one run a side, back "
+        "to back): speedup and identical output",
     )
-    p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per side with --compare (median)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=1, help="timing rounds with --compare (speedup: median of their ratios)"
+    )
     p.add_argument(
         "--compile",
         action="store_true",
