@@ -40,9 +40,10 @@ def answers(path: str) -> Iterator[tuple[str, list[int], list[int]]]:
 def count(prompt: list[int], answer: list[int], stats: dict) -> None:
     """Add one answer's lookup rounds to `stats[(matched length, slot)] = [accepted, trials]`."""
     tokens, lookup = prompt + answer, NgramLookup()
+    ids = torch.tensor([tokens])  # the lookup reads each round's committed prefix (a view) and indexes only new ids
     end = len(prompt) + 1  # the committed tokens: the prompt and the prefill's one
     while end < len(tokens):
-        looked = lookup.continuation(torch.tensor([tokens[:end]]), SLOTS)
+        looked = lookup.continuation(ids[:, :end], SLOTS)
         accepted = 0
         for slot, draft in enumerate(looked[: len(tokens) - end]):
             stats[(lookup.matched, slot)][1] += 1
