@@ -456,10 +456,12 @@ def _widest(policy: BlockSizePolicy) -> int:
     return check_block_size(max(max(getattr(policy, "candidates", None) or [16]), 2), "the policy's widest candidate")
 
 
-def default_controller(drafter: nn.Module) -> DraftController:
+def default_controller(drafter: nn.Module, max_slowdown: float | None = None) -> DraftController:
     """What `generate(assistant_model=drafter)` runs with no `draft_controller` ("default" in `bench` and the CLI):
     the drafter's policy under its `serving_controller` (`AdaptiveVerify`, or every draft verified), else its
-    `block_size`; inside a `SpeculationGuard`, so that it never runs slower than plain decoding here."""
+    `block_size`; inside a `SpeculationGuard`, which turns drafting off where it loses to plain steps here.
+    `max_slowdown` (e.g. 0.05; off by default): no request more than that much slower than plain decoding, at the
+    cost of a few plain steps at each request's start (`SpeculationGuard`)."""
     policy = getattr(drafter, "policy", None)
     if policy is None:
         inner = DraftController(drafter.block_size)
@@ -467,7 +469,7 @@ def default_controller(drafter: nn.Module) -> DraftController:
         inner = AdaptiveVerify(policy=policy)
     else:
         inner = PolicyBlockSize(policy)
-    return SpeculationGuard(inner)
+    return SpeculationGuard(inner, max_slowdown=max_slowdown)
 
 
 def resolve_controller(drafter: nn.Module, controller: DraftController | int | None = None) -> DraftController:
@@ -554,6 +556,12 @@ class SpeculationGuard(DelegatingController):
     rounds are judged by its corrected τ rather than their own counts. `timing="measured"` times rounds by the wall
     clock (overheads no cost model sees count), `"modeled"` by the cost model alone. In a batch one guard judges
     the shared rounds (`observe` hears the rows' mean verified and accepted drafts).
+
+    `max_slowdown` (e.g. 0.05; default `None`: off) bounds the loss on every request, not only on average: a round
+    drafts only if, were all its drafts rejected, the request's time so far (on the guard's clock, prefill excluded)
+    would stay within `1 / (1 - max_slowdown)` of plain decoding's for the tokens committed so far plus one (each at
+    a plain step's time); otherwise it is a plain step. A request thus starts with a few plain steps and drafts as
+    the budget they earn, and the rounds that pay, allow (docs/benchmarks.md, "A per-request slowdown bound").
     """
 
     name = "guarded"
@@ -569,6 +577,7 @@ class SpeculationGuard(DelegatingController):
         max_pause: int = 128,
         timing: str = "measured",
         clock: Callable[[], float] = time.perf_counter,
+        max_slowdown: float | None = None,
     ):
         if (
             not 0.0 <= prior_acceptance <= 1.0
@@ -582,6 +591,8 @@ class SpeculationGuard(DelegatingController):
             )
         if timing not in ("measured", "modeled"):
             raise ValueError(f"timing must be 'measured' or 'modeled', got {timing!r}")
+        if max_slowdown is not None and not 0.0 < max_slowdown < 1.0:
+            raise ValueError(f"max_slowdown must be in (0, 1) (0.05: at most 5 % slower) or None, got {max_slowdown}")
         super().__init__(inner)
         self.prior_acceptance = prior_acceptance
         self.probe_rounds = probe_rounds
@@ -591,6 +602,7 @@ class SpeculationGuard(DelegatingController):
         self.max_pause = max(max_pause, first_pause)
         self.timing = timing
         self.clock = clock
+        self.max_slowdown = max_slowdown
         self.reset()
 
     def reset(self) -> None:
@@ -605,6 +617,7 @@ class SpeculationGuard(DelegatingController):
         self.plain_seconds: float | None = None  # a measured plain step (decayed mean), once a pause ran some
         self.last_width = 1
         self.last_time = 0.0
+        self.spent = self.plain_equivalent = 0.0  # the request's seconds so far, and plain decoding's for its tokens
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         super().start(prefill_outputs, lm_head, temperature)
@@ -653,8 +666,18 @@ class SpeculationGuard(DelegatingController):
         if self.plain_request or self.paused_for > 0:
             self.last_width = 1
         else:
-            self.last_width = self.inner.width()
+            width = self.inner.width()
+            self.last_width = width if width <= 1 or self._within_budget(width) else 1
         return self.last_width
+
+    def _within_budget(self, width: int) -> bool:
+        """Whether a round of `width` slots keeps the request within `max_slowdown` of plain decoding even if every
+        draft is rejected (always, with no bound or no cost model to price the round)."""
+        if self.max_slowdown is None or self.cost_model is None:
+            return True
+        plain = self._plain_step_seconds()
+        worst = self.spent + self._drift() * self.cost_model.round_ms(width, self.temperature) / 1000
+        return worst <= (self.plain_equivalent + plain) / (1.0 - self.max_slowdown)
 
     def max_width(self) -> int:
         return 1 if self.plain_request else self.inner.max_width()
@@ -662,17 +685,23 @@ class SpeculationGuard(DelegatingController):
     def observe(self, verified: float, accepted: float) -> None:
         now = self.clock()
         elapsed, self.last_time = now - self.last_time, now
-        if self.last_width <= 1:  # a plain round: the request is plain, or a pause is running down
+        modeled = 0.0
+        if self.cost_model is not None:
+            modeled = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature) / 1000
+            if self.timing == "modeled":
+                elapsed = modeled
+            if self.max_slowdown is not None:
+                self.spent += elapsed
+                self.plain_equivalent += (accepted + 1) * self._plain_step_seconds()
+        if self.last_width <= 1:  # a plain round: the request is plain, a pause is running down, or the budget held
             if self.paused_for > 0:
                 self.paused_for -= 1
+            if not self.plain_request:
                 self._time_plain_step(elapsed)
             return
         self.inner.observe(verified, accepted)
         if self.cost_model is None:
             return
-        modeled = self.cost_model.modeled_round_ms(self.last_width, verified, self.temperature) / 1000
-        if self.timing == "modeled":
-            elapsed = modeled
         self.committed = self.decay * self.committed + accepted + 1
         self.seconds = self.decay * self.seconds + elapsed
         self.modeled_seconds = self.decay * self.modeled_seconds + modeled
@@ -707,8 +736,11 @@ class SpeculationGuard(DelegatingController):
         (another load, another clock) is judged in its own time, not partly in the calibration's."""
         if self.plain_seconds is not None:
             return self.plain_seconds
-        drift = self.seconds / self.modeled_seconds if self.modeled_seconds > 0 else 1.0
-        return drift * self.cost_model.modeled_round_ms(1, 0, self.temperature) / 1000
+        return self._drift() * self.cost_model.modeled_round_ms(1, 0, self.temperature) / 1000
+
+    def _drift(self) -> float:
+        """How the drafting rounds' times compare with the cost model's (1: as modeled, or nothing drafted yet)."""
+        return self.seconds / self.modeled_seconds if self.modeled_seconds > 0 else 1.0
 
     def describe(self) -> str:
         return f"guarded({self.inner.describe()})"

@@ -1,5 +1,6 @@
 """Modeled benchmark of the per-request width choice: the embedded policy with and without the in-request
-correction, every fixed width and plain decoding, on the held-out prompts, under every recorded cost table.
+correction, every fixed width and plain decoding, on the held-out prompts, under every recorded cost table; and
+the default with a per-request slowdown bound (`SpeculationGuard(max_slowdown=0.05)`).
 
 Each held-out prompt's greedy answer is replayed once per drafting width (the drafts the target would accept at
 every position, `DrafterTrainer.draft_acceptance`, float32); the library's own controllers then decode it round by
@@ -142,6 +143,9 @@ def main() -> None:
                 PolicyBlockSize(policy, correct_width=False), timing="modeled"
             ),
             f"policy{suffix}": PolicyBlockSize(policy),
+            f"default, max slowdown 5%{suffix}": SpeculationGuard(
+                PolicyBlockSize(policy), timing="modeled", max_slowdown=0.05
+            ),
         }
     served = [name for name in methods if name.startswith("default") and "uncorrected" not in name]
     results = {}

@@ -188,6 +188,7 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
         ("--device", "gpu", "not a torch device: 'gpu'"),
         ("--block-size", "1", "block size must be an int in 2..256"),
         ("--block-size", "10000", "block size must be an int in 2..256"),
+        ("--max-slowdown", "2", "must be between 0 and 1"),
     ],
 )
 def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
@@ -195,6 +196,22 @@ def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
         main(["generate", "hi", flag, value])
     assert exit_info.value.code == 2
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_max_slowdown_bounds_the_default_and_is_refused_with_other_controllers(tmp_path, capsys, monkeypatch):
+    target_dir, drafter_dir = save_tiny_pair(tmp_path)
+    pair = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--max-new-tokens", "6", "--no-stream"]
+    assert main(["generate", "abcabc", *pair, "--json", "--compare", "--max-slowdown", "0.05"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["controller"].startswith("guarded(") and result["identical_to_plain"] is True
+    from hf_blockpilot.tools import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the controller choice was checked")
+
+    monkeypatch.setattr(loading, "resolve_target", no_loading)
+    assert main(["generate", "abcabc", *pair, "--controller", "fixed", "--max-slowdown", "0.05"]) == 2
+    assert "--max-slowdown bounds the default controller's guard" in capsys.readouterr().err
 
 
 def test_eval_drafter_by_replay(tmp_path, capsys):

@@ -180,6 +180,46 @@ def test_measured_timing_learns_the_plain_step_from_its_pauses(built_decoders):
     assert copy.plain_seconds is None and copy.timing == "measured"
 
 
+@pytest.mark.parametrize("accepted", [0, 1, 5])
+def test_max_slowdown_bounds_each_request_s_loss_at_every_round(accepted):
+    """Rounds of 6 slots cost 1.5 plain steps; every round accepts `accepted` of its 5 drafts. With
+    `max_slowdown=0.05` the request's time never exceeds plain decoding's for its tokens by more than 1 / 0.95, at
+    any round, yet it drafts once plain steps (and rounds that pay) have earned the budget; without the bound the
+    first losing round alone is 1.5x."""
+    cost = CostModel(target_ms={1: 10.0, 6: 13.0}, drafter_ms={2: 2.0, 6: 2.0})
+
+    def decode(**kwargs) -> tuple[float, int]:
+        guard = guarded(cost, **kwargs).for_request()
+        guard.begin(0.0, 6)
+        spent = plain = worst = 0.0
+        drafted = 0
+        for _ in range(200):
+            width = guard.width()
+            verified, taken = (5, accepted) if width > 1 else (0, 0)
+            spent += cost.modeled_round_ms(width, verified)
+            plain += (taken + 1) * cost.round_ms(1)
+            guard.observe(verified, taken)
+            worst, drafted = max(worst, spent / plain), drafted + (width > 1)
+        return worst, drafted
+
+    worst, drafted = decode(max_slowdown=0.05)
+    assert worst <= 1 / 0.95 + 1e-9 and drafted > 0
+    if accepted == 0:
+        assert decode()[0] == pytest.approx(1.5)
+    if accepted == 5:  # nine plain steps earn the first round; its gains pay for every later one
+        assert drafted == 191
+
+
+def test_a_slowdown_bound_keeps_greedy_output_and_starts_with_plain_steps():
+    target, drafter, prompt = pair()
+    plain = greedy_generate(target, prompt, 40, None)
+    guard = guarded(FLAT, max_slowdown=0.05)
+    out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guard)
+    widths = drafter.last_stats.widths_per_round[1:]
+    assert torch.equal(out, plain)
+    assert widths[:2] == [1, 1] and 6 in widths  # a round of 1.2 plain steps waits for two plain steps' budget
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [
@@ -188,6 +228,8 @@ def test_measured_timing_learns_the_plain_step_from_its_pauses(built_decoders):
         (dict(probe_rounds=0), "prior_acceptance"),
         (dict(prior_rounds=-1), "prior_rounds"),
         (dict(timing="guessed"), "timing"),
+        (dict(max_slowdown=0.0), "max_slowdown"),
+        (dict(max_slowdown=1.0), "max_slowdown"),
     ],
 )
 def test_bad_guard_settings_are_clear_errors(kwargs, error):

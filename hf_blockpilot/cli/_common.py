@@ -159,16 +159,21 @@ def load_models(
 CONTROLLERS = ("default", "adaptive", "fixed", "heuristic", "ema", "entropy")
 
 
-def build_controller(name: str, drafter: BlockDiffusionDrafter, block_size: int | None) -> DraftController:
+def build_controller(
+    name: str, drafter: BlockDiffusionDrafter, block_size: int | None, max_slowdown: float | None = None
+) -> DraftController:
     """The `--controller` of a command: `default` is what `generate` runs with no controller
-    (`default_controller`); `block_size` (if given) replaces the drafter's policy as the width."""
+    (`default_controller`); `block_size` (if given) replaces the drafter's policy as the width; `max_slowdown`
+    bounds the default's loss per request (`SpeculationGuard`; other controllers have no guard)."""
     from ..controllers import AdaptiveVerify, DraftController, PolicyBlockSize, SpeculationGuard, default_controller
     from ..tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
     policy = drafter.policy if block_size is None else None
     width = block_size or drafter.block_size
     if name == "default":
-        return default_controller(drafter) if block_size is None else SpeculationGuard(DraftController(width))
+        if block_size is None:
+            return default_controller(drafter, max_slowdown)
+        return SpeculationGuard(DraftController(width), max_slowdown=max_slowdown)
     if name == "adaptive":
         return AdaptiveVerify(width, policy=policy)
     if name == "fixed":

@@ -13,6 +13,7 @@ from ._common import (
     add_optional_policy_arg,
     block_size_arg,
     build_controller,
+    fraction,
     load_models,
     non_negative_float,
     positive_int,
@@ -27,8 +28,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..device_calibration import describe_device
     from ..tools.evaluation import compare_with_plain, timed_generate
 
+    if args.max_slowdown is not None and args.controller != "default":  # before any model is loaded
+        raise ValueError(
+            f"--max-slowdown bounds the default controller's guard; --controller {args.controller} has none: "
+            "drop one of them"
+        )
     target, tokenizer, drafter = load_models(args, prompts=[args.prompt])
-    controller = build_controller(args.controller, drafter, args.block_size)
+    controller = build_controller(args.controller, drafter, args.block_size, args.max_slowdown)
     input_ids = chat_inputs(tokenizer, args.prompt, target.device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
@@ -97,6 +103,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="default: what generate() runs with no controller (the policy under its label controller, "
         "guarded never to lose to plain steps); adaptive: verify the drafts worth it each round; "
         "fixed: every draft; heuristic / ema / entropy: the baselines of `bench`",
+    )
+    p.add_argument(
+        "--max-slowdown",
+        type=fraction,
+        default=None,
+        metavar="FRACTION",
+        help="with the default controller: draft only while, even if every draft were rejected, this request stays "
+        "within this fraction of plain decoding's time (e.g. 0.05; a few plain steps first). Off by default",
     )
     add_optional_policy_arg(p)
     p.add_argument(
