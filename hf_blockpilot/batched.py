@@ -158,11 +158,11 @@ class RaggedLayer(DynamicLayer):
             self._write_at_index(key_states, value_states)
             return self.keys, self.values
         if self.plan.single:  # one row: appended as plain decoding's cache appends (rejected slots cut first)
-            committed = self.plan.host_lengths[0]
-            self.keys, self.values = (
-                torch.cat([stored if stored.shape[-2] == committed else stored[..., :committed, :], new], dim=-2)
-                for stored, new in ((self.keys, key_states), (self.values, value_states))
-            )
+            keys, values, committed = self.keys, self.values, self.plan.host_lengths[0]
+            if keys.shape[-2] != committed:
+                keys, values = keys[..., :committed, :], values[..., :committed, :]
+            self.keys = torch.cat([keys, key_states], dim=-2)
+            self.values = torch.cat([values, value_states], dim=-2)
             return self.keys, self.values
         end = self.plan.end
         if end > self.keys.shape[-2]:  # room for as much again: growth stays rare
