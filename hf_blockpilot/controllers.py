@@ -743,4 +743,5 @@ class SpeculationGuard(DelegatingController):
         return self.seconds / self.modeled_seconds if self.modeled_seconds > 0 else 1.0
 
     def describe(self) -> str:
-        return f"guarded({self.inner.describe()})"
+        bound = "" if self.max_slowdown is None else f", max_slowdown={self.max_slowdown:g}"
+        return f"guarded({self.inner.describe()}{bound})"

@@ -188,7 +188,8 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
         ("--device", "gpu", "not a torch device: 'gpu'"),
         ("--block-size", "1", "block size must be an int in 2..256"),
         ("--block-size", "10000", "block size must be an int in 2..256"),
-        ("--max-slowdown", "2", "must be between 0 and 1"),
+        ("--max-slowdown", "2", "must be between 0 and 1 (exclusive)"),
+        ("--max-slowdown", "0", "must be between 0 and 1 (exclusive)"),
     ],
 )
 def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):
@@ -203,7 +204,7 @@ def test_max_slowdown_bounds_the_default_and_is_refused_with_other_controllers(t
     pair = ["--target", str(target_dir), "--drafter", str(drafter_dir), "--max-new-tokens", "6", "--no-stream"]
     assert main(["generate", "abcabc", *pair, "--json", "--compare", "--max-slowdown", "0.05"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["controller"].startswith("guarded(") and result["identical_to_plain"] is True
+    assert result["controller"].endswith(", max_slowdown=0.05)") and result["identical_to_plain"] is True
     from hf_blockpilot.tools import loading
 
     def no_loading(*args, **kwargs):

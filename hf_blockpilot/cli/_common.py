@@ -62,6 +62,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def open_fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
 class SortedDistinct(argparse.Action):
     """For lists of block sizes: sorted, each once."""
 

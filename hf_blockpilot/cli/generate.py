@@ -13,9 +13,9 @@ from ._common import (
     add_optional_policy_arg,
     block_size_arg,
     build_controller,
-    fraction,
     load_models,
     non_negative_float,
+    open_fraction,
     positive_int,
     prompt_text,
 )
@@ -106,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-slowdown",
-        type=fraction,
+        type=open_fraction,
         default=None,
         metavar="FRACTION",
         help="with the default controller: draft only while, even if every draft were rejected, this request stays "
