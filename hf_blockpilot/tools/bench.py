@@ -87,14 +87,15 @@ def run_benchmark(
         "reference": [],
     }
     peer = ReferencePeer(drafter) if reference else None  # a missing package fails before any decoding
+    prompt_sets = [(name, load_prompts(name, limit)) for name in datasets]  # read once, decoded at every temperature
     for temperature in temperatures:
-        for name in datasets:
+        for name, prompts in prompt_sets:
             torch.manual_seed(0)
             results = decode_methods(
                 target,
                 tokenizer,
                 drafter,
-                load_prompts(name, limit),
+                prompts,
                 block_sizes,
                 policy,
                 max_new_tokens,
@@ -112,9 +113,7 @@ def run_benchmark(
                 }
             )
             if peer is not None:
-                peers = peer.compare(
-                    target, tokenizer, load_prompts(name, limit), block_sizes, max_new_tokens, temperature, repeats
-                )
+                peers = peer.compare(target, tokenizer, prompts, block_sizes, max_new_tokens, temperature, repeats)
                 report["reference"].append(
                     {
                         "dataset": name,
