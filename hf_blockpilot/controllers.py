@@ -561,7 +561,9 @@ class SpeculationGuard(DelegatingController):
     drafts only if, were all its drafts rejected, the request's time so far (on the guard's clock, prefill excluded)
     would stay within `1 / (1 - max_slowdown)` of plain decoding's for the tokens committed so far plus one (each at
     a plain step's time); otherwise it is a plain step. A request thus starts with a few plain steps and drafts as
-    the budget they earn, and the rounds that pay, allow (docs/benchmarks.md, "A per-request slowdown bound").
+    the budget they earn, and the rounds that pay, allow (docs/benchmarks.md, "A per-request slowdown bound"). A
+    batch's guard prices its shared rounds at its own controller's width (for a policy, the widest it may pick):
+    at least what the batch drafts.
     """
 
     name = "guarded"

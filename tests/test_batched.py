@@ -367,6 +367,20 @@ def test_the_guard_turns_speculation_off_as_the_batch_grows():
     assert pays == [True, False]
 
 
+def test_a_batch_under_a_slowdown_bound_opens_plain_and_stays_exact():
+    """The batch's one guard bounds the shared rounds: with a verify of 4 slots at 1.5 plain steps the first rounds
+    are plain steps (the budget one losing round needs), later rounds draft; rows equal plain batched generate."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=8)
+    drafter = make_drafter(target, block_size=4)
+    guard = SpeculationGuard(DraftController(4), timing="modeled", max_slowdown=0.05)
+    guard.use_cost_model(CostModel(target_ms={1: 20.0, 4: 28.0}, drafter_ms={2: 2.0, 4: 2.0}))
+    ids, mask = left_padded([[5, 9, 11, 3, 7], [4, 8]])
+    got = generate(target, ids, mask, 40, assistant_model=drafter, draft_controller=guard)
+    assert torch.equal(got, generate(target, ids, mask, 40))
+    widths = drafter.last_stats.rows[0].widths_per_round[1:]
+    assert widths[:4] == [1, 1, 1, 1] and 4 in widths
+
+
 def test_a_tau_policy_batch_drafts_one_width_at_a_time():
     """Rows whose controllers predict τ per width draft one shared width per round (the widest row sets a round's
     cost, the slowest row the batch's length: `fastest_width`), corrected by the rows' rounds; rows stay exact."""
