@@ -67,6 +67,13 @@ class DraftedRound:
     lookup: bool = False
 
 
+def check_max_slowdown(max_slowdown: float | None) -> float | None:
+    """`max_slowdown` (a `SpeculationGuard`'s per-request bound) if it is None or in (0, 1), else a ValueError."""
+    if max_slowdown is not None and not 0.0 < max_slowdown < 1.0:
+        raise ValueError(f"max_slowdown must be in (0, 1) (0.05: at most 5 % slower) or None, got {max_slowdown}")
+    return max_slowdown
+
+
 def check_block_size(block_size: Any, what: str = "block size") -> int:
     """`block_size` if it is an int in 2..MAX_BLOCK_SIZE (anchor slot + at least one draft), else a ValueError."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or not 2 <= block_size <= MAX_BLOCK_SIZE:
@@ -593,8 +600,7 @@ class SpeculationGuard(DelegatingController):
             )
         if timing not in ("measured", "modeled"):
             raise ValueError(f"timing must be 'measured' or 'modeled', got {timing!r}")
-        if max_slowdown is not None and not 0.0 < max_slowdown < 1.0:
-            raise ValueError(f"max_slowdown must be in (0, 1) (0.05: at most 5 % slower) or None, got {max_slowdown}")
+        check_max_slowdown(max_slowdown)
         super().__init__(inner)
         self.prior_acceptance = prior_acceptance
         self.probe_rounds = probe_rounds

@@ -188,8 +188,8 @@ def test_train_drafter_command_answers_a_prompt_file_and_trains_without_a_cache(
         ("--device", "gpu", "not a torch device: 'gpu'"),
         ("--block-size", "1", "block size must be an int in 2..256"),
         ("--block-size", "10000", "block size must be an int in 2..256"),
-        ("--max-slowdown", "2", "must be between 0 and 1 (exclusive)"),
-        ("--max-slowdown", "0", "must be between 0 and 1 (exclusive)"),
+        ("--max-slowdown", "2", "max_slowdown must be in (0, 1)"),
+        ("--max-slowdown", "0", "max_slowdown must be in (0, 1)"),
     ],
 )
 def test_out_of_range_arguments_are_usage_errors(capsys, flag, value, message):

@@ -62,11 +62,13 @@ def fraction(text: str) -> float:
     return value
 
 
-def open_fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
+def max_slowdown_arg(text: str) -> float:
+    from ..controllers import check_max_slowdown
+
+    try:
+        return check_max_slowdown(float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 class SortedDistinct(argparse.Action):

@@ -14,8 +14,8 @@ from ._common import (
     block_size_arg,
     build_controller,
     load_models,
+    max_slowdown_arg,
     non_negative_float,
-    open_fraction,
     positive_int,
     prompt_text,
 )
@@ -106,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-slowdown",
-        type=open_fraction,
+        type=max_slowdown_arg,
         default=None,
         metavar="FRACTION",
         help="with the default controller: draft only while, even if every draft were rejected, this request stays "
