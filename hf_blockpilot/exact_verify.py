@@ -25,6 +25,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .row_kernel import rounds_as_one_row, row_kernel
+
 #: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
 _slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | None] = contextvars.ContextVar(
     "hf_blockpilot_slot_key_lengths", default=None
@@ -171,6 +173,14 @@ def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.T
     return torch.cat(parts).reshape(*x.shape[:-1], -1)
 
 
+def _row_kernel_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    kernel = row_kernel()
+    if rows <= 1 or kernel is None or _slot_key_lengths.get() is None:  # a verify forward's only, as above
+        return F.linear(x, module.weight)
+    return kernel(x.reshape(rows, x.shape[-1]), module.weight).reshape(*x.shape[:-1], -1)
+
+
 def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` for a batch's (rows, slots, features) verify input, each slot's rows computed as one product of
     exactly `step_rows` rows (zero rows appended where rows have left the batch): as plain batched decoding
@@ -189,13 +199,17 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
     alike up to `ROW_PROBE_LIMIT` rows compute a verify forward (within `slot_key_lengths`) as plain decoding's steps
     of `step_rows` rows compute it: in chunks no larger than `row_exact_rows` of its weight where those steps fit in
     one such chunk (each row then rounds as it rounds alone), else slot by slot as products of exactly `step_rows`
-    rows (`_as_plain_steps`). A linear whose `forward` is overridden on the instance (an accelerate offload hook)
-    is left alone."""
+    rows (`_as_plain_steps`). A bias-free linear whose products round every row alike computes a verify forward
+    with `row_kernel` instead where that probes bit-equal to its one-row products (`rounds_as_one_row`: one pass
+    over the weight for all rows, so each row rounds as one row, and as a row of plain batched decoding's products
+    does). A linear whose `forward` is overridden on the instance (an accelerate offload hook) is left alone."""
     for module in model.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__:
             chunk = row_exact_rows(module.weight, module.bias)
             if chunk < ROW_PROBE_LIMIT:
                 module.forward = partial(_row_exact_forward, module, chunk, step_rows)
+            elif module.bias is None and rounds_as_one_row(module.weight):
+                module.forward = partial(_row_kernel_forward, module)
 
 
 def call_view(model: nn.Module) -> nn.Module:

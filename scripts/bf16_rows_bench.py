@@ -2,15 +2,16 @@
 
     python scripts/bf16_rows_bench.py --out runs/bf16-rows.json
 
-Builds `scripts/kernels/bf16_rows.cpp` (a C++ extension, JIT: needs a C++ compiler and ninja), which computes each
-row's outputs with the operations of PyTorch's one-row CPU bfloat16 kernel in the same order, but converts each
-weight row to float32 once for all rows. Then, on this machine:
+Builds the package's `kernels/bf16_rows.cpp` (`hf_blockpilot.row_kernel`; needs a C++ compiler and ninja),
+which computes each row's outputs with the operations of PyTorch's one-row CPU bfloat16 kernel in the same
+order, but converts each weight row to float32 once for all rows. Then, on this machine:
 1. exactness: every output of 16-row products against `F.linear` of each row alone, per SmolLM2-135M weight shape
    (and two shapes with remainders), three input scales, for the kernel's lane widths 8 (AVX2) and 16 (AVX-512);
 2. speed of one linear: `F.linear` vs the kernel for 1 / 4 / 16 rows;
 3. the embedded target in bfloat16: an n-token forward after a prefill with every linear of more than one row on
    the kernel, logits checked equal to the stock forward, time in one-token steps (stock attention, not the exact
-   path's slot-wise attention). Prints a table and writes JSON. Offline.
+   path's slot-wise attention: `hf-blockpilot calibrate` times that path as `generate` runs it). Prints a table
+   and writes JSON. Offline.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from transformers import DynamicCache
 from hf_blockpilot.cli import build_parser
 from hf_blockpilot.cli._common import load_models
 from hf_blockpilot.data import chat_inputs
+from hf_blockpilot.row_kernel import SOURCE
 
-SOURCE = Path(__file__).parent / "kernels" / "bf16_rows.cpp"
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (100, 100), (64, 40)]
 
 

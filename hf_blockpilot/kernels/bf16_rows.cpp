@@ -11,7 +11,7 @@
 // Here each output's weight row is converted once and reused for every input row, with the same operations in
 // the same order: fmaf for the fused steps and plain float additions, compiled with -ffp-contract=off, so the
 // results do not depend on how the compiler vectorizes. Whether this matches the installed PyTorch on this CPU
-// is checked bit for bit by scripts/bf16_rows_bench.py; nothing assumes it. Not wired into the package yet.
+// is probed bit for bit per weight shape before use (hf_blockpilot/row_kernel.py); nothing assumes it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -1,0 +1,89 @@
+"""A CPU kernel for verify forwards in bfloat16: k rows in one pass over the weight, each row rounded exactly as
+PyTorch's one-row product rounds it.
+
+On CPUs without bfloat16 matrix instructions PyTorch computes a bfloat16 product of k rows as k one-row dot-product
+passes, so a k-token verify costs nearly k plain steps. `kernels/bf16_rows.cpp` does each row's operations in the
+same order but converts the weight once for all rows. It is built at first use (a C++ compiler and ninja, with
+`torch.utils.cpp_extension`, cached per machine and torch version) and used for a weight only where it probes
+bit-equal to one-row `F.linear` (`rounds_as_one_row`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the
+stock products serve. docs/exactness.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "bf16_rows.cpp"
+#: Set to "0" to never build or use the kernel.
+SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
+#: The float lanes of PyTorch's vectors per CPU capability: the accumulator layout the kernel reproduces.
+LANE_WIDTHS = {"AVX2": 8, "AVX512": 16}
+#: Rows of the probe's inputs: one-row products to compare against, at three input scales.
+PROBE_ROWS = (8, 8, 8, 32)
+
+RowKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_rounds_as_one_row: dict[tuple, bool] = {}
+
+
+def _machine_tag() -> str:
+    """What a build depends on (it is compiled for this CPU): CPU model and flags, torch version, the source."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else [platform.processor()]
+    cpu = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    text = "\n".join([*cpu, torch.__version__, SOURCE.read_text()])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def row_kernel() -> RowKernel | None:
+    """`kernel(x (rows, in), weight (out, in))` -> (rows, out), both bfloat16; `None` where it is switched off,
+    PyTorch's CPU capability has no known lane layout, or it cannot be built (no compiler or ninja: said once)."""
+    width = LANE_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
+    if os.environ.get(SWITCH, "1") == "0" or width is None:
+        return None
+    from torch.utils.cpp_extension import load
+
+    logger.info("hf-blockpilot: loading its bfloat16 verify kernel (built once per machine: about a minute)")
+    try:
+        module = load(
+            name=f"hf_blockpilot_bf16_rows_{_machine_tag()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # noqa: BLE001 - any build failure leaves the stock products in place
+        logger.warning("hf-blockpilot: bfloat16 verify kernel not built (%s); verifies use PyTorch's products", error)
+        return None
+    return lambda x, weight: module.linear_rows(x, weight, width)
+
+
+def rounds_as_one_row(weight: torch.Tensor) -> bool:
+    """Whether `row_kernel` gives every row of a product with `weight` (bias-free) exactly what one-row
+    `F.linear` gives it, probed once per shape on inputs at three scales. False for anything but a 2-D bfloat16
+    CPU weight, and where the kernel is not available."""
+    key = (tuple(weight.shape), weight.dtype, weight.device.type)
+    if key not in _rounds_as_one_row:
+        eligible = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+        kernel = row_kernel() if eligible else None
+        exact = kernel is not None
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for i, rows in enumerate(PROBE_ROWS if exact else ()):
+                x = (8.0 ** (i % 3 - 1) * torch.randn(rows, weight.shape[1], generator=generator)).to(weight)
+                alone = torch.cat([F.linear(x[r : r + 1], weight) for r in range(rows)])
+                if not torch.equal(kernel(x, weight.contiguous()), alone):
+                    exact = False
+                    break
+        _rounds_as_one_row[key] = exact
+    return _rounds_as_one_row[key]
