@@ -20,6 +20,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -109,6 +112,9 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight, i
   const float* xs = xf.data_ptr<float>();
   const at::BFloat16* ws = wc.data_ptr<at::BFloat16>();
   at::BFloat16* ys = result.data_ptr<at::BFloat16>();
+#ifdef _OPENMP
+  omp_set_num_threads(at::get_num_threads());  // this build's OpenMP runtime, held to torch's thread count
+#endif
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> w(in);
     for (int64_t n = begin; n < end; ++n) {
