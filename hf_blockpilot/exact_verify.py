@@ -25,7 +25,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .row_kernel import rounds_as_one_row, row_kernel
+from .row_kernel import RowKernel, rounds_as_one_row, row_kernel
 
 #: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
 _slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | None] = contextvars.ContextVar(
@@ -173,10 +173,9 @@ def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.T
     return torch.cat(parts).reshape(*x.shape[:-1], -1)
 
 
-def _row_kernel_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _row_kernel_forward(module: nn.Linear, kernel: RowKernel, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    kernel = row_kernel()
-    if rows <= 1 or kernel is None or _slot_key_lengths.get() is None:  # a verify forward's only, as above
+    if rows <= 1 or _slot_key_lengths.get() is None:  # a verify forward's only, as above
         return F.linear(x, module.weight)
     return kernel(x.reshape(rows, x.shape[-1]), module.weight).reshape(*x.shape[:-1], -1)
 
@@ -209,7 +208,7 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
             if chunk < ROW_PROBE_LIMIT:
                 module.forward = partial(_row_exact_forward, module, chunk, step_rows)
             elif module.bias is None and rounds_as_one_row(module.weight):
-                module.forward = partial(_row_kernel_forward, module)
+                module.forward = partial(_row_kernel_forward, module, row_kernel())
 
 
 def call_view(model: nn.Module) -> nn.Module:

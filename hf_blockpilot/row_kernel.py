@@ -18,6 +18,7 @@ import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,8 @@ SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
 #: AVX2 is listed: the AVX-512 CPUs seen multiply bfloat16 with oneDNN (native instructions), which this kernel
 #: does not reproduce, so building it there would be wasted.
 LANE_WIDTHS = {"AVX2": 8}
+#: Seconds a process waits for another process's build of the kernel before it goes on without the kernel.
+BUILD_WAIT_S = 900
 #: Rows of the probe's inputs: one-row products to compare against, at three input scales.
 PROBE_ROWS = (8, 8, 8, 32)
 
@@ -47,27 +50,51 @@ def _machine_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def build_directory(name: str) -> Path:
+    """Where the kernel `name` is built and cached: under `$TORCH_EXTENSIONS_DIR`, else
+    `~/.cache/torch_extensions` (where `torch.utils.cpp_extension` keeps its builds), in `hf_blockpilot/`."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root).expanduser() / "hf_blockpilot" / name
+
+
 @functools.cache
-def row_kernel() -> RowKernel | None:
-    """`kernel(x (rows, in), weight (out, in))` -> (rows, out), both bfloat16; `None` where it is switched off,
-    PyTorch's CPU capability has no known lane layout, or it cannot be built (no compiler or ninja: said once)."""
-    width = LANE_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
-    if os.environ.get(SWITCH, "1") == "0" or width is None:
+def extension() -> Any | None:
+    """The built `kernels/bf16_rows.cpp` module (`linear_rows(x, weight, lane_width)`), cached per process; `None`
+    where it is switched off or cannot be built (no compiler or ninja, or another process's build did not end
+    within `BUILD_WAIT_S`: said once)."""
+    if os.environ.get(SWITCH, "1") == "0":
         return None
+    from filelock import FileLock
     from torch.utils.cpp_extension import load
 
+    name = f"hf_blockpilot_bf16_rows_{_machine_tag()}"
+    directory = build_directory(name)
     logger.info("hf-blockpilot: loading its bfloat16 verify kernel (built once per machine: about a minute)")
     try:
-        module = load(
-            name=f"hf_blockpilot_bf16_rows_{_machine_tag()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
+        directory.mkdir(parents=True, exist_ok=True)
+        # An OS file lock, released when its process ends, so a build interrupted by a kill cannot leave the next
+        # process waiting forever on torch's own lock file (which only its builder removes): holding this lock,
+        # a torch lock file left in the directory is such a leftover.
+        with FileLock(directory / "hf_blockpilot.lock", timeout=BUILD_WAIT_S):
+            (directory / "lock").unlink(missing_ok=True)
+            return load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+            )
     except Exception as error:  # noqa: BLE001 - any build failure leaves the stock products in place
         logger.warning("hf-blockpilot: bfloat16 verify kernel not built (%s); verifies use PyTorch's products", error)
         return None
-    return lambda x, weight: module.linear_rows(x, weight, width)
+
+
+def row_kernel() -> RowKernel | None:
+    """`kernel(x (rows, in), weight (out, in))` -> (rows, out), both bfloat16, with this CPU's lane layout; `None`
+    where PyTorch's CPU capability has no known lane layout or `extension` is not available."""
+    width = LANE_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
+    module = extension() if width is not None else None
+    return None if module is None else lambda x, weight: module.linear_rows(x, weight, width)
 
 
 def rounds_as_one_row(weight: torch.Tensor) -> bool:
@@ -84,7 +111,7 @@ def rounds_as_one_row(weight: torch.Tensor) -> bool:
             for i, rows in enumerate(PROBE_ROWS if exact else ()):
                 x = (8.0 ** (i % 3 - 1) * torch.randn(rows, weight.shape[1], generator=generator)).to(weight)
                 alone = torch.cat([F.linear(x[r : r + 1], weight) for r in range(rows)])
-                if not torch.equal(kernel(x, weight.contiguous()), alone):
+                if not torch.equal(kernel(x, weight), alone):
                     exact = False
                     break
         _rounds_as_one_row[key] = exact

@@ -18,34 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.cpp_extension import load
 from transformers import DynamicCache
 
 from hf_blockpilot.cli import build_parser
 from hf_blockpilot.cli._common import load_models
 from hf_blockpilot.data import chat_inputs
-from hf_blockpilot.row_kernel import SOURCE
+from hf_blockpilot.device_calibration import cpu_description
+from hf_blockpilot.row_kernel import SWITCH, extension
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (100, 100), (64, 40)]
-
-
-def cpu_name() -> str:
-    """The CPU's model name, family and model number (Linux), else what `platform` knows."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    wanted = ("model name", "cpu family", "model")
-    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines)}
-    named = [f"{key} {fields[key]}" for key in wanted if key in fields]
-    return ", ".join(named) or platform.processor()
 
 
 def median_ms(run, repeats: int = 15) -> float:
@@ -138,18 +126,13 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bf16-rows.json")
     parser.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.")
     args = parser.parse_args()
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-    build = Path(tempfile.mkdtemp(prefix="bf16-rows-"))
-    kernel = load(
-        "hf_blockpilot_bf16_rows",
-        [str(SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-    )
+    kernel = extension()
+    if kernel is None:
+        raise SystemExit(f"the kernel is switched off ({SWITCH}=0) or could not be built: see the warning above")
+    name, flags = cpu_description()
     width = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
     result = {
-        "machine": cpu_name(),
+        "machine": " ".join([name, *flags]),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python3}"
 [ -x .venv-oldest/bin/python ] || "$PYTHON" -m venv .venv-oldest
 . .venv-oldest/bin/activate
 python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
-python -m pip install -q "transformers==5.17.0" safetensors huggingface-hub evaluate tqdm pytest "pytest-xdist>=3.2" 2>&1 | grep -v '^WARNING: Location' || true
+python -m pip install -q "transformers==5.17.0" safetensors huggingface-hub evaluate tqdm pytest "pytest-xdist>=3.2" "pytest-timeout>=2.2" filelock 2>&1 | grep -v '^WARNING: Location' || true
 python -m pip install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
 export HF_HUB_OFFLINE=1
 python -m pytest -q -p no:cacheprovider -n auto --dist worksteal tests/test_greedy_equivalence.py tests/test_context.py tests/test_sampling.py \

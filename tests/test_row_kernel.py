@@ -4,6 +4,8 @@ equals the row's one-row `F.linear`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,8 +86,51 @@ def test_the_built_kernel_rounds_every_row_as_one_row_on_this_machine():
 
 def test_the_kernel_is_switched_off_by_its_environment_variable(monkeypatch):
     monkeypatch.setenv(row_kernel.SWITCH, "0")
-    row_kernel.row_kernel.cache_clear()
+    row_kernel.extension.cache_clear()
     try:
+        assert row_kernel.extension() is None
         assert row_kernel.row_kernel() is None
     finally:
-        row_kernel.row_kernel.cache_clear()
+        row_kernel.extension.cache_clear()
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """`extension()` against a fake `torch.utils.cpp_extension.load` that records whether torch's lock file was
+    present when it ran, builds in `tmp_path`, and is forgotten before and after."""
+    import torch.utils.cpp_extension
+
+    seen = []
+
+    def load(name, build_directory, **kwargs):
+        seen.append(Path(build_directory, "lock").exists())
+        return "built"
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(row_kernel.SWITCH, raising=False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    row_kernel.extension.cache_clear()
+    yield seen
+    row_kernel.extension.cache_clear()
+
+
+def test_a_build_interrupted_by_a_kill_does_not_block_the_next(fake_build, tmp_path):
+    # torch's own lock file, left behind by a builder that was killed, would make torch wait for it forever
+    directory = row_kernel.build_directory(f"hf_blockpilot_bf16_rows_{row_kernel._machine_tag()}")
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()
+    assert directory.is_relative_to(tmp_path)
+    assert row_kernel.extension() == "built"
+    assert fake_build == [False]
+
+
+def test_a_build_held_by_another_process_too_long_leaves_the_stock_products(fake_build, monkeypatch, caplog):
+    from filelock import FileLock
+
+    directory = row_kernel.build_directory(f"hf_blockpilot_bf16_rows_{row_kernel._machine_tag()}")
+    directory.mkdir(parents=True)
+    monkeypatch.setattr(row_kernel, "BUILD_WAIT_S", 0.2)
+    with FileLock(directory / "hf_blockpilot.lock"):  # another builder, still at work
+        assert row_kernel.extension() is None
+    assert fake_build == []
+    assert "not built" in caplog.text
