@@ -70,19 +70,25 @@ def calibration_enabled() -> bool:
     return os.environ.get(CALIBRATE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def cpu_description() -> tuple[str, list[str]]:
-    """The CPU's model name and which of `MATMUL_FLAGS` it has (from /proc/cpuinfo where there is one)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                name = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
+def cpu_description(cpuinfo: str | None = None) -> tuple[str, list[str]]:
+    """The CPU's model name with its family and model numbers, and which of `MATMUL_FLAGS` it has, from `cpuinfo`
+    (the text of /proc/cpuinfo; read where there is one). Virtual machines often name only the brand ("AMD EPYC")
+    for CPUs whose kernels differ: the family and model numbers tell them apart."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields, flags = {}, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("flags", "Features"):
+            flags = set(value.split())
+            break
+        fields.setdefault(key, value)
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name = f"{name} (family {fields['cpu family']}, model {fields['model']})"
     return name, [f for f in MATMUL_FLAGS if f in flags]
 
 
@@ -422,7 +428,7 @@ def calibrate(
         sampling_draw_ms=ms["sampling_draw"],
         inexact_rows=inexact,
         prefill_ms={1: ms["prefill"]},
-        source=f"calibrated on {fingerprint['name']} ({fingerprint['dtype']}, {fingerprint['threads']} threads)",
+        source=f"calibrated on {fingerprint['name']}, {fingerprint['dtype']}, {fingerprint['threads']} threads",
     )
     row_exact = row_exact_table(target) if device.type == "cpu" else {}
     return Calibration(fingerprint, cost, row_exact, time.perf_counter() - begin)

@@ -15,6 +15,7 @@ from hf_blockpilot.costs import CostModel
 from hf_blockpilot.device_calibration import (
     calibrate,
     calibration_path,
+    cpu_description,
     device_fingerprint,
     forget_resolved,
     resolve_cost_model,
@@ -153,6 +154,18 @@ def test_a_changed_fingerprint_recalibrates(calibrating, monkeypatch):
     with pytest.warns(UserWarning, match="another device, dtype or model"):
         resolve_cost_model(target, drafter)
     assert len(calibrating) == 3
+
+
+def test_cpus_a_virtual_machine_names_alike_are_told_apart_by_family_and_model():
+    """Cloud VMs name a Zen 1 and a Zen 3 EPYC both "AMD EPYC", with the same matmul flags; their kernels and
+    costs differ, so a calibration cached on one must not serve the other."""
+    zen = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+    flags = "flags\t\t: fpu sse2 avx fma avx2\n"
+    zen1, zen3 = (cpu_description(zen.format(family) + flags) for family in (23, 25))
+    assert zen1 == ("AMD EPYC (family 23, model 1)", ["avx2"])
+    assert zen3 == ("AMD EPYC (family 25, model 1)", ["avx2"])
+    arm = cpu_description("processor\t: 0\nFeatures\t: fp asimd\n")  # no model name or numbers: the platform's
+    assert arm[1] == [] and arm[0]
 
 
 def test_a_model_loaded_in_a_dtype_shares_the_calibration_of_one_cast_to_it():
