@@ -50,11 +50,12 @@ def _machine_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def build_directory(name: str) -> Path:
-    """Where the kernel `name` is built and cached: under `$TORCH_EXTENSIONS_DIR`, else
-    `~/.cache/torch_extensions` (where `torch.utils.cpp_extension` keeps its builds), in `hf_blockpilot/`."""
+def build_directory() -> Path:
+    """Where this machine's build of the kernel is made and cached, named by `_machine_tag`: under
+    `$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions` (where `torch.utils.cpp_extension` keeps its builds),
+    in `hf_blockpilot/`."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    return Path(root).expanduser() / "hf_blockpilot" / name
+    return Path(root).expanduser() / "hf_blockpilot" / f"hf_blockpilot_bf16_rows_{_machine_tag()}"
 
 
 @functools.cache
@@ -67,8 +68,7 @@ def extension() -> Any | None:
     from filelock import FileLock
     from torch.utils.cpp_extension import load
 
-    name = f"hf_blockpilot_bf16_rows_{_machine_tag()}"
-    directory = build_directory(name)
+    directory = build_directory()
     logger.info("hf-blockpilot: loading its bfloat16 verify kernel (built once per machine: about a minute)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -78,7 +78,7 @@ def extension() -> Any | None:
         with FileLock(directory / "hf_blockpilot.lock", timeout=BUILD_WAIT_S):
             (directory / "lock").unlink(missing_ok=True)
             return load(
-                name=name,
+                name=directory.name,
                 sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -116,7 +116,7 @@ def fake_build(monkeypatch, tmp_path):
 
 def test_a_build_interrupted_by_a_kill_does_not_block_the_next(fake_build, tmp_path):
     # torch's own lock file, left behind by a builder that was killed, would make torch wait for it forever
-    directory = row_kernel.build_directory(f"hf_blockpilot_bf16_rows_{row_kernel._machine_tag()}")
+    directory = row_kernel.build_directory()
     directory.mkdir(parents=True)
     (directory / "lock").touch()
     assert directory.is_relative_to(tmp_path)
@@ -127,7 +127,7 @@ def test_a_build_interrupted_by_a_kill_does_not_block_the_next(fake_build, tmp_p
 def test_a_build_held_by_another_process_too_long_leaves_the_stock_products(fake_build, monkeypatch, caplog):
     from filelock import FileLock
 
-    directory = row_kernel.build_directory(f"hf_blockpilot_bf16_rows_{row_kernel._machine_tag()}")
+    directory = row_kernel.build_directory()
     directory.mkdir(parents=True)
     monkeypatch.setattr(row_kernel, "BUILD_WAIT_S", 0.2)
     with FileLock(directory / "hf_blockpilot.lock"):  # another builder, still at work
