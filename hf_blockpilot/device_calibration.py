@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -660,25 +660,25 @@ def preferred_dtype(
     batch_size: int = 1,
     prompt_tokens: int = 64,
     new_tokens: int = 256,
+    copies: Mapping[torch.dtype, tuple[PreTrainedModel, nn.Module]] | None = None,
 ) -> torch.dtype:
-    """The dtype `--dtype auto` decodes a request in (`target` and `drafter` in float32): `batch_size` rows of
-    `prompt_tokens` (padded) prompt tokens and `new_tokens` new tokens each. Among `decode_dtypes` (float32 and
-    bfloat16 on every CPU, timed rather than assumed), the one whose calibration of a copy of the pair expects the
-    whole request fastest (`CostModel.request_ms`: the prefill, then its best width, plain steps included) among
-    those whose verifies were probed exact. Where none was (CUDA: cuBLAS rounds k rows unlike one), float32, whose
-    near-ties flip least. float32 with calibration off. (On an AVX2-only Zen 3, bfloat16 decodes a row 1.7x faster
-    than float32 but prefills 4-6x slower, emulated bfloat16 products paying for every token: long prompts, short
-    answers and large batches go to float32.)"""
+    """The dtype `--dtype auto` decodes a request in: `batch_size` rows of `prompt_tokens` (padded) prompt tokens
+    and `new_tokens` new tokens each. Among `decode_dtypes` (float32 and bfloat16 on every CPU, timed rather than
+    assumed), the one whose calibration of the pair in that dtype (`copies[dtype]`, else the pair itself if in it,
+    else a copy) expects the whole request fastest (`CostModel.request_ms`: the prefill, then its best width, plain
+    steps included) among those whose verifies were probed exact. Where none was (CUDA: cuBLAS rounds k rows
+    unlike one), float32, whose near-ties flip least. float32 with calibration off. (On an AVX2-only Zen 3,
+    bfloat16 decodes a row 1.7x faster than float32 but prefills 4-6x slower, emulated bfloat16 products paying for
+    every token: long prompts, short answers and large batches go to float32.)"""
     dtypes = decode_dtypes(next(target.parameters()).device)
     if len(dtypes) == 1 or not calibration_enabled():
         return torch.float32
-    costs = {
-        dtype: resolve_cost_model(
-            *(m if dtype == torch.float32 else copy.deepcopy(m).to(dtype) for m in (target, drafter)),
-            batch_size=batch_size,
-        )
-        for dtype in dtypes
-    }
+    pairs = dict(copies or {}) | {next(target.parameters()).dtype: (target, drafter)}
+
+    def pair_in(dtype: torch.dtype) -> tuple[PreTrainedModel, nn.Module]:
+        return pairs.get(dtype) or (copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype))
+
+    costs = {dtype: resolve_cost_model(*pair_in(dtype), batch_size=batch_size) for dtype in dtypes}
     exact = [dtype for dtype, cost in costs.items() if not cost.inexact_rows]
     return min(
         exact or [torch.float32],

@@ -215,3 +215,47 @@ def test_compare_with_plain_pairs_each_round_and_alternates_the_order(monkeypatc
     assert result["plain_tokens_per_second"] == pytest.approx(new_tokens / 2.0, abs=0.01)
     assert result["speculative_tokens_per_second"] == pytest.approx(new_tokens / 0.96, abs=0.01)
     assert result["identical_to_plain"] is True
+
+
+def test_decode_methods_runs_auto_in_the_dtype_generate_would_pick_per_prompt(monkeypatch):
+    """`auto` is the default in the dtype `preferred_dtype` picks for each prompt (asked with its length, the
+    answer's budget and the pair already in every dtype), and its output is held to plain in that dtype."""
+    from hf_blockpilot.tools import evaluation
+
+    target, tokenizer, prompts, drafter = _toy_decoding_setup()
+    prompts = prompts + [PromptRecord("long", "toy", "cabbage" * 4)]
+    lengths = {r.id: chat_inputs(tokenizer, r.prompt, "cpu").shape[1] for r in prompts}
+    asked, ran, compared, outputs = [], {}, {}, {}
+
+    def preferred(target_, drafter_, prompt_tokens, new_tokens, copies):
+        asked.append((prompt_tokens, new_tokens, sorted(map(str, copies))))
+        assert all(next(pair[1].parameters()).dtype == dtype for dtype, pair in copies.items())
+        return torch.bfloat16 if prompt_tokens < max(lengths.values()) else torch.float32
+
+    real_generate, real_result = evaluation.timed_generate, evaluation.method_result
+
+    def spy(target_, input_ids, drafter_=None, **kwargs):
+        if drafter_ is not None and kwargs.get("max_new_tokens") == 6:
+            ran.setdefault(input_ids.shape[1], set()).add((target_.dtype, next(drafter_.parameters()).dtype))
+        return real_generate(target_, input_ids, drafter_, **kwargs)
+
+    def keep(prompt_id, method, out, prompt_tokens, seconds, stats, plain, *args, **kwargs):
+        outputs[prompt_id, method], compared[prompt_id, method] = out, plain
+        return real_result(prompt_id, method, out, prompt_tokens, seconds, stats, plain, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "preferred_dtype", preferred)
+    monkeypatch.setattr(evaluation, "timed_generate", spy)
+    monkeypatch.setattr(evaluation, "method_result", keep)
+    results = decode_methods(
+        target, tokenizer, drafter, prompts, block_sizes=(2,), max_new_tokens=6, repeats=1, auto_dtype=True
+    )
+    assert asked == [(lengths[r.id], 6, ["torch.bfloat16", "torch.float32"]) for r in prompts]
+    assert [r.method for r in results if r.prompt_id == "p0"] == ["plain", "plain bfloat16", "b=2", "default", "auto"]
+    # p0 (short) ran in bfloat16 beside the float32 methods; the long one only in float32
+    assert ran[lengths["p0"]] == {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)}
+    assert ran[lengths["long"]] == {(torch.float32, torch.float32)}
+    assert compared["p0", "auto"] is outputs["p0", "plain bfloat16"]
+    assert compared["long", "auto"] is outputs["long", "plain"]
+    assert compared["p0", "default"] is outputs["p0", "plain"] and compared["p0", "plain bfloat16"] is None
+    assert all(r.identical_to_plain for r in results if r.method != "plain bfloat16")
+    assert next(drafter.parameters()).dtype == torch.float32  # the user's drafter was copied, not converted

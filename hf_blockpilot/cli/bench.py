@@ -31,7 +31,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_batch_bench(args)
     from ..controllers import AdaptiveVerify
     from ..data import load_prompts
-    from ..device_calibration import resolve_cost_model
+    from ..device_calibration import calibration_enabled, resolve_cost_model
     from ..tools.baselines import baseline_controllers
     from ..tools.bench import markdown_report, run_benchmark
 
@@ -66,6 +66,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         controllers,
         args.reference,
         cost_model,
+        # `auto`: the default in the dtype generate --dtype auto picks per prompt (calibration off: always float32)
+        auto_dtype=args.dtype == "auto" and calibration_enabled(),
     )
     print(markdown_report(report))
     mismatches = sum(

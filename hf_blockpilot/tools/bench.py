@@ -60,6 +60,7 @@ def run_benchmark(
     controllers: Mapping[str, DraftController] | None = None,
     reference: bool = False,
     cost_model: CostModel | None = None,
+    auto_dtype: bool = False,
 ) -> dict:
     """Decode every prompt of every dataset with every method (plain, each fixed b, the policy, each named
     controller) at every temperature; summarize and save.
@@ -67,7 +68,8 @@ def run_benchmark(
     `reference`: also decode with the DFlash authors' loop side by side with ours at each fixed b
     (`tools.reference_peer`; needs `pip install --no-deps dflash==0.1.0`). `cost_model`: also time every
     method's rounds on the device's cost model (noise-free, decision overhead excluded) and, per fixed b at T = 0,
-    the per-round verify oracle: how fast any per-round verify budget at that width could be."""
+    the per-round verify oracle: how fast any per-round verify budget at that width could be. `auto_dtype`: also
+    `auto`, the default in the dtype `generate --dtype auto` picks per prompt (see `decode_methods`)."""
     report: dict = {
         "machine": machine_info(target),
         "settings": {
@@ -82,6 +84,7 @@ def run_benchmark(
             "controllers": {name: c.describe() for name, c in (controllers or {}).items()},
             "cost_model": cost_model.to_dict() if cost_model is not None else None,
             "cost_model_source": cost_model.source if cost_model is not None else None,
+            "auto_dtype": auto_dtype,
         },
         "runs": [],
         "reference": [],
@@ -103,6 +106,7 @@ def run_benchmark(
                 temperature,
                 controllers,
                 cost_model,
+                auto_dtype,
             )
             report["runs"].append(
                 {
@@ -180,6 +184,13 @@ def markdown_report(report: dict) -> str:
                 line += f" {_ratio(row.get('modeled_speedup'))} | {_ratio(row.get('round_oracle_speedup'))} |"
             lines.append(line)
         lines.append("")
+        if "auto" in run["summary"]:
+            lines += [
+                "auto: the default in the dtype `generate --dtype auto` picks for each prompt (its length and "
+                "the answer's budget); its speedup is over plain in this table's dtype, its mismatches against "
+                "plain in the dtype it ran in.",
+                "",
+            ]
         if modeled:
             lines += [
                 "Modeled: the same rounds timed by the cost model in the settings (no host noise, decision "

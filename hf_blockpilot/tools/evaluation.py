@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +25,7 @@ from ..controllers import (
 )
 from ..costs import CostModel
 from ..data import PromptRecord, chat_inputs
-from ..device_calibration import timed
+from ..device_calibration import preferred_dtype, timed
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import SpeculationStats
 
@@ -277,52 +278,78 @@ def decode_methods(
     temperature: float = 0.0,
     controllers: Mapping[str, DraftController] | None = None,
     cost_model: CostModel | None = None,
+    auto_dtype: bool = False,
 ) -> list[MethodResult]:
     """Decode each prompt with plain `generate` (`plain`, and `plain <dtype>` for each other dtype of
     `decode_dtypes`), each fixed block size, the policy's widths with every draft
     verified (`policy`, if given), `default` (what `generate` runs with no `draft_controller`:
     `default_controller(drafter)`) and each named controller, every one passed per call as `draft_controller`
-    (the drafter itself is left untouched).
+    (the drafter itself is left untouched). `auto_dtype`: also `auto`, the default in the dtype `generate --dtype
+    auto` picks for each prompt (`preferred_dtype`, from its length and `max_new_tokens`), its output compared
+    with plain in that dtype.
 
     Real end-to-end decoding (no recorded lookups); time is the median over `repeats`, taken round-robin over
-    the methods; at T=0 every output is compared with plain `generate`. With a `cost_model`, every result also
-    carries its rounds' modeled time, and each fixed b at T=0 the modeled time of the per-round verify oracle.
+    the methods; at T=0 every output is compared with plain `generate` in its own dtype. With a `cost_model`,
+    every result also carries its rounds' modeled time, and each fixed b at T=0 the modeled time of the per-round
+    verify oracle.
     """
     gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0)
     if temperature > 0:
         gen["temperature"] = temperature
     # plain decoding in the target's dtype (the lossless reference) and in every other dtype it may be fastest in
-    plains = {"plain": target} | {f"plain {dtype}": copy for dtype, copy in plain_in_other_dtypes(target).items()}
-    methods: dict[str, DraftController | None] = dict.fromkeys(plains)
-    methods.update({f"b={b}": DraftController(b) for b in block_sizes})
+    others = plain_in_other_dtypes(target)
+    plains = {"plain": target} | {f"plain {name}": copy for name, copy in others.items()}
+    methods: dict[str, DraftController] = {f"b={b}": DraftController(b) for b in block_sizes}
     if policy is not None:
         methods["policy"] = PolicyBlockSize(policy)
     methods["default"] = default_controller(drafter)
     methods.update(controllers or {})
+    # per dtype: the plain method in it, and (auto) the pair in it with its default controller
+    plain_in = {next(model.parameters()).dtype: name for name, model in plains.items()}
+    pairs = {next(target.parameters()).dtype: (target, drafter)}
+    if auto_dtype:
+        pairs |= {model.dtype: (model, copy.deepcopy(drafter).to(model.dtype)) for model in others.values()}
+    auto = {dtype: default_controller(pair[1]) for dtype, pair in pairs.items()} if auto_dtype else {}
     # first calls pay one-time costs of their own (a policy's, the calibration's): warm those paths untimed
-    warm_controllers = [c for c in (methods.get("policy"), methods["default"]) if c is not None]
+    warm = [(target, drafter, c) for c in (methods.get("policy"), methods["default"]) if c is not None]
+    warm += [(*pairs[dtype], controller) for dtype, controller in auto.items()]
     results = []
     for record in tqdm(prompts, desc="decoding", unit="prompt"):
         input_ids = chat_inputs(tokenizer, record.prompt, target.device, record.history)
-        # Warm-up of both paths, so one-time costs (lazy kernel set-up on CUDA) are not timed.
+        calls: dict[str, Callable[[], TimedRun]] = {
+            name: functools.partial(timed_generate, model, input_ids, **gen) for name, model in plains.items()
+        }
+        calls |= {
+            name: functools.partial(timed_generate, target, input_ids, drafter, draft_controller=controller, **gen)
+            for name, controller in methods.items()
+        }
+        # the plain method each output must equal at T = 0 (other dtypes' plains: none, their outputs differ)
+        reference = dict.fromkeys(["plain", *methods], "plain")
+        if auto_dtype:
+            dtype = preferred_dtype(
+                target, drafter, prompt_tokens=input_ids.shape[1], new_tokens=max_new_tokens, copies=pairs
+            )
+            pair_target, pair_drafter = pairs[dtype]
+            calls["auto"] = functools.partial(
+                timed_generate, pair_target, input_ids, pair_drafter, draft_controller=auto[dtype], **gen
+            )
+            reference["auto"] = plain_in[dtype]
+        # Warm-up of every path, so one-time costs (lazy kernel set-up on CUDA) are not timed.
         for model in plains.values():
             timed_generate(model, input_ids, max_new_tokens=4, do_sample=False)
-        for controller in warm_controllers:
-            timed_generate(target, input_ids, drafter, max_new_tokens=4, do_sample=False, draft_controller=controller)
+        for model, model_drafter, controller in warm:
+            timed_generate(
+                model, input_ids, model_drafter, max_new_tokens=4, do_sample=False, draft_controller=controller
+            )
         # Repeat r of every method runs before repeat r + 1 of any: a slow spell of a noisy host then hits
         # all methods alike instead of whichever was being timed.
-        runs: dict[str, list[TimedRun]] = {name: [] for name in methods}
+        runs: dict[str, list[TimedRun]] = {name: [] for name in calls}
         for _ in range(repeats):
-            for name, controller in methods.items():
-                if controller is None:
-                    runs[name].append(timed_generate(plains[name], input_ids, **gen))
-                else:
-                    runs[name].append(timed_generate(target, input_ids, drafter, draft_controller=controller, **gen))
-        plain = None
-        for name in methods:
-            out, seconds, stats = _median_run(runs[name])
-            if name == "plain":
-                plain = out
+            for name, call in calls.items():
+                runs[name].append(call())
+        medians = {name: _median_run(runs[name]) for name in calls}
+        for name, (out, seconds, stats) in medians.items():
+            plain = medians[reference[name]].sequences if name in reference else None
             results.append(
                 method_result(
                     record.id,
@@ -331,9 +358,9 @@ def decode_methods(
                     input_ids.shape[1],
                     seconds,
                     stats,
-                    None if name in plains and name != "plain" else plain,  # other dtypes: other outputs
+                    plain,
                     temperature,
-                    cost_model,
+                    cost_model if name != "auto" else None,  # the cost model is of the target's dtype
                     fixed=name.startswith("b="),
                 )
             )
