@@ -481,13 +481,7 @@ def _forward_ms(
 
     def verify(n: int, model: nn.Module) -> Callable[[], None]:
         block = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
-
-        def run() -> None:
-            with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):  # as generate's
-                model(block, **with_prefix, output_hidden_states=True)
-            prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
-
-        return run
+        return _cached_forward(target, model, prefix, block, context_tokens)
 
     processors = sampling_processors(target, context[:1], temperature=1.0)
     row = torch.randn(1, vocab, generator=generator).to(device)
@@ -516,6 +510,21 @@ def _forward_ms(
         mininterval=1.0,
     ) as bar:
         return interleaved_median_ms(fns, repeats, device, bar) | {"prefill": 1000 * prefill_seconds}
+
+
+def _cached_forward(
+    target: PreTrainedModel, model: nn.Module, prefix: DynamicCache, tokens: torch.Tensor, context_tokens: int
+) -> Callable[[], None]:
+    """A forward of `model` (`target` or its `verify_view`) over `tokens` (B, n) after `prefix` (every row
+    `context_tokens` long), as `generate` verifies; the cache cropped back after it."""
+    batch_size, n = tokens.shape
+
+    def run() -> None:
+        with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):  # as generate's
+            model(tokens, **{cache_argument(target): prefix}, output_hidden_states=True)
+        prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
+
+    return run
 
 
 _resolved: dict[str, CostModel] = {}  # fingerprint key -> this process's cost model for it
@@ -654,6 +663,60 @@ def forget_resolved() -> None:
         _resolved.clear()
 
 
+@torch.inference_mode()
+def steps_side_by_side(
+    targets: Mapping[Any, PreTrainedModel], batch_size: int = 1, context_tokens: int = 256, repeats: int = 5
+) -> dict[Any, float]:
+    """Each target's one-token step (ms) over `batch_size` rows after a `context_tokens`-long cached context, as
+    a calibration times `target_ms[1]`, all of them timed interleaved (`interleaved_median_ms`): their speeds at
+    one moment of the host."""
+    generator = torch.Generator().manual_seed(0)
+    fns = {}
+    for key, target in targets.items():
+        vocab, device = target.get_input_embeddings().weight.shape[0], target.device
+        context = torch.randint(0, vocab, (batch_size, context_tokens), generator=generator).to(device)
+        prefix = DynamicCache()
+        target(context, **{cache_argument(target): prefix}, logits_to_keep=1)
+        token = torch.randint(0, vocab, (batch_size, 1), generator=generator).to(device)
+        fns[key] = _cached_forward(target, verify_view(target, batch_size), prefix, token, context_tokens)
+    return interleaved_median_ms(fns, repeats, next(iter(targets.values())).device)
+
+
+def host_factors(
+    pairs: Mapping[torch.dtype, tuple[PreTrainedModel, nn.Module]],
+    costs: Mapping[torch.dtype, CostModel],
+    batch_size: int,
+) -> dict[torch.dtype, float]:
+    """Per dtype, the factor that brings its calibration to one host speed: each dtype was calibrated once, at
+    its own time, and a shared host's speed drifts (on a KVM Zen 1, one calibration timed every width 25 % slower
+    than one 20 min later). It is the one-token step timed now, every dtype side by side (`steps_side_by_side`, at
+    the calibrations' context), over the step in its table; cached with the calibrations until a table changes."""
+    tabled = {_dtype_name(dtype): cost.for_batch(batch_size).verify_ms(1) for dtype, cost in costs.items()}
+    keys = sorted(fingerprint_key(device_fingerprint(*pair)) for pair in pairs.values())
+    path = (
+        cache_root() / "calibration" / "side-by-side" / f"{fingerprint_key({'pairs': keys, 'batch': batch_size})}.json"
+    )
+    try:
+        cached = json.loads(path.read_text())
+        steps = cached["steps"] if cached["tabled"] == tabled else None
+    except (OSError, ValueError, KeyError, TypeError):
+        steps = None
+    if steps is None:
+        context_tokens = max(cost.context_tokens for cost in costs.values()) or 256
+        logger.info("hf-blockpilot: timing the %s one-token steps side by side, once", "/".join(tabled))
+        timed = steps_side_by_side({_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens)
+        steps = {dtype: timed[dtype] for dtype in tabled}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"tabled": tabled, "steps": steps}, indent=2))
+        partial.replace(path)
+    return {dtype: steps[_dtype_name(dtype)] / tabled[_dtype_name(dtype)] for dtype in costs}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def preferred_dtype(
     target: PreTrainedModel,
     drafter: nn.Module,
@@ -666,21 +729,27 @@ def preferred_dtype(
     and `new_tokens` new tokens each. Among `decode_dtypes` (float32 and bfloat16 on every CPU, timed rather than
     assumed), the one whose calibration of the pair in that dtype (`copies[dtype]`, else the pair itself if in it,
     else a copy) expects the whole request fastest (`CostModel.request_ms`: the prefill, then its best width, plain
-    steps included) among those whose verifies were probed exact. Where none was (CUDA: cuBLAS rounds k rows
-    unlike one), float32, whose near-ties flip least. float32 with calibration off. (On an AVX2-only Zen 3,
-    bfloat16 decodes a row 1.7x faster than float32 but prefills 4-6x slower, emulated bfloat16 products paying for
-    every token: long prompts, short answers and large batches go to float32.)"""
+    steps included) among those whose verifies were probed exact, every table brought to one host speed
+    (`host_factors`). Where none was (CUDA: cuBLAS rounds k rows unlike one), float32, whose near-ties flip least.
+    float32 with calibration off. (On an AVX2-only Zen 3, bfloat16 decodes a row 1.7x faster than float32 but
+    prefills 4-6x slower, emulated bfloat16 products paying for every token: long prompts, short answers and large
+    batches go to float32.)"""
     dtypes = decode_dtypes(next(target.parameters()).device)
     if len(dtypes) == 1 or not calibration_enabled():
         return torch.float32
-    pairs = dict(copies or {}) | {next(target.parameters()).dtype: (target, drafter)}
-
-    def pair_in(dtype: torch.dtype) -> tuple[PreTrainedModel, nn.Module]:
-        return pairs.get(dtype) or (copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype))
-
-    costs = {dtype: resolve_cost_model(*pair_in(dtype), batch_size=batch_size) for dtype in dtypes}
+    given = dict(copies or {}) | {next(target.parameters()).dtype: (target, drafter)}
+    pairs = {
+        dtype: given.get(dtype) or (copy.deepcopy(target).to(dtype), copy.deepcopy(drafter).to(dtype))
+        for dtype in dtypes
+    }
+    costs = {dtype: resolve_cost_model(*pair, batch_size=batch_size) for dtype, pair in pairs.items()}
     exact = [dtype for dtype, cost in costs.items() if not cost.inexact_rows]
+    if len(exact) < 2:
+        return (exact or [torch.float32])[0]
+    host = host_factors(pairs, costs, batch_size)
     return min(
-        exact or [torch.float32],
-        key=lambda dtype: costs[dtype].request_ms(prompt_tokens, new_tokens, batch_size, PRIOR_ACCEPTANCE),
+        exact,
+        key=lambda dtype: (
+            host[dtype] * costs[dtype].request_ms(prompt_tokens, new_tokens, batch_size, PRIOR_ACCEPTANCE)
+        ),
     )

@@ -41,6 +41,12 @@ def calibrating(monkeypatch, tmp_path):
     forget_resolved()
 
 
+@pytest.fixture
+def steady_host(monkeypatch):
+    """The tables under test compare as given: the host ran at one speed for all of them."""
+    monkeypatch.setattr(device_calibration, "host_factors", lambda pairs, costs, batch_size: dict.fromkeys(costs, 1.0))
+
+
 def pair(seed: int = 0):
     target = make_target("llama", vocab_size=VOCAB, hidden_size=64, seed=seed)
     return target, make_drafter(target, block_size=4, seed=seed)
@@ -236,7 +242,7 @@ def test_generate_calibrates_on_first_use_and_verifies_on_the_exact_path(calibra
     ],
 )
 def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_lossless_decoding(
-    calibrating, monkeypatch, bf16_ms, bf16_inexact, float32_inexact, expected
+    calibrating, steady_host, monkeypatch, bf16_ms, bf16_inexact, float32_inexact, expected
 ):
     """On every CPU, whatever its flags, a bf16 copy is calibrated; bfloat16 when it expects more tokens per ms
     (speculative or plain) among the dtypes whose verify was probed exact."""
@@ -259,7 +265,7 @@ def test_auto_dtype_takes_bfloat16_only_where_its_calibration_expects_faster_los
     assert next(target.parameters()).dtype == torch.float32  # the copy was calibrated, not the model
 
 
-def test_auto_dtype_is_chosen_per_batch_size(calibrating, monkeypatch):
+def test_auto_dtype_is_chosen_per_batch_size(calibrating, steady_host, monkeypatch):
     """As on an AVX2-only Zen 3: bfloat16 decodes one row fastest, but its emulated products pay for every row, so
     float32 decodes a batch of eight fastest; each batch size gets its own dtype, from its own timed batch axis."""
     batch_costs = {torch.float32: {1: 20.0, 16: 200.0}, torch.bfloat16: {1: 60.0, 16: 600.0}}
@@ -307,7 +313,7 @@ def test_a_prefill_is_estimated_from_the_batch_total_tokens():
     ],
 )
 def test_auto_dtype_weighs_the_prefill_against_the_steps(
-    calibrating, monkeypatch, prompt_tokens, new_tokens, batch_size, expected
+    calibrating, steady_host, monkeypatch, prompt_tokens, new_tokens, batch_size, expected
 ):
     """As measured on an AVX2-only Zen 3: a bfloat16 step costs 0.6 of a float32 one, a bfloat16 prefill 5x."""
     costs = {
@@ -329,3 +335,44 @@ def test_auto_dtype_weighs_the_prefill_against_the_steps(
     target, drafter = pair()
     chosen = device_calibration.preferred_dtype(target, drafter, batch_size, prompt_tokens, new_tokens)
     assert chosen == expected
+
+
+def test_auto_dtype_compares_the_calibrations_at_one_host_speed(calibrating, monkeypatch):
+    """As on a KVM Zen 1, where a bfloat16 calibration timed every width 25 % slower than one 20 min later and auto
+    then chose float32 wrongly: the dtypes' one-token steps timed side by side bring both tables to one host speed;
+    that timing is cached until a table changes."""
+    tables = {torch.float32: 10.0, torch.bfloat16: 11.7}  # bf16 calibrated while the host ran 1.3x slower
+    now = {"float32": 10.0, "bfloat16": 9.0}  # the steps timed side by side
+    timings = []
+
+    def side_by_side(targets, batch_size, context_tokens):
+        timings.append((sorted(targets), batch_size, context_tokens))
+        return now
+
+    monkeypatch.setattr(device_calibration, "steps_side_by_side", side_by_side)
+    monkeypatch.setattr(
+        device_calibration,
+        "resolve_cost_model",
+        lambda target, drafter, *args, **kwargs: CostModel(
+            target_ms={1: (step := tables[next(target.parameters()).dtype]), 16: 20 * step},
+            drafter_ms={2: 5.0, 16: 5.0},
+            context_tokens=64,
+            prefill_ms={1: 64 * step},
+        ),
+    )
+    target, drafter = pair()
+    assert device_calibration.preferred_dtype(target, drafter) == torch.bfloat16  # as timed: float32
+    assert timings == [(["bfloat16", "float32"], 1, 64)]
+    assert device_calibration.preferred_dtype(target, drafter, prompt_tokens=8) == torch.bfloat16
+    assert len(timings) == 1  # read from the cache
+    tables[torch.bfloat16] = 9.0  # re-calibrated: the cached side-by-side timing no longer matches the table
+    now["bfloat16"] = 8.1
+    assert device_calibration.preferred_dtype(target, drafter) == torch.bfloat16 and len(timings) == 2
+
+
+def test_steps_side_by_side_times_each_target_as_a_calibration_times_its_step():
+    target, _ = pair()
+    targets = {"float32": target, "bfloat16": copy.deepcopy(target).to(torch.bfloat16)}
+    for batch_size in (1, 2):
+        steps = device_calibration.steps_side_by_side(targets, batch_size, context_tokens=8, repeats=2)
+        assert set(steps) == set(targets) and all(ms > 0 for ms in steps.values())
