@@ -298,7 +298,7 @@ def decode_methods(
         gen["temperature"] = temperature
     # plain decoding in the target's dtype (the lossless reference) and in every other dtype it may be fastest in
     others = plain_in_other_dtypes(target)
-    plains = {"plain": target} | {f"plain {name}": copy for name, copy in others.items()}
+    plains = {"plain": target} | {f"plain {name}": model for name, model in others.items()}
     methods: dict[str, DraftController] = {f"b={b}": DraftController(b) for b in block_sizes}
     if policy is not None:
         methods["policy"] = PolicyBlockSize(policy)
