@@ -4,6 +4,7 @@ and on the cost model's clock when given one."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from conftest import ScriptedDrafter, char_tokenizer, make_target
 
 from hf_blockpilot._compat import decode_dtypes
 from hf_blockpilot.data import PromptRecord, chat_inputs
-from hf_blockpilot.tools.evaluation import decode_methods, measure_tau, round_oracle_ms
+from hf_blockpilot.tools.bench import markdown_report
+from hf_blockpilot.tools.evaluation import decode_methods, measure_tau, round_oracle_ms, summarize_methods
 
 
 def test_measure_tau_pools_the_generators_statistics():
@@ -259,3 +261,14 @@ def test_decode_methods_runs_auto_in_the_dtype_generate_would_pick_per_prompt(mo
     assert compared["p0", "default"] is outputs["p0", "plain"] and compared["p0", "plain bfloat16"] is None
     assert all(r.identical_to_plain for r in results if r.method != "plain bfloat16")
     assert next(drafter.parameters()).dtype == torch.float32  # the user's drafter was copied, not converted
+    ran_in = {(r.prompt_id, r.method): r.dtype for r in results}
+    assert ran_in["p0", "auto"] == "bfloat16" and ran_in["long", "auto"] == "float32"
+    assert (
+        ran_in["p0", "plain bfloat16"] == "bfloat16" and ran_in["p0", "default"] == ran_in["p0", "plain"] == "float32"
+    )
+    # the bench's table says which dtypes `auto` ran in
+    run = {"dataset": "toy", "temperature": 0.0, "summary": summarize_methods(results)}
+    run["results"] = [asdict(r) for r in results]
+    report = {"machine": {"cpu": "x", "cpu_threads": 2, "device": "cpu", "torch": "t", "transformers": "t"}}
+    report |= {"settings": {"prompt_lookup": False}, "runs": [run]}
+    assert "here bfloat16 1x, float32 1x)" in markdown_report(report)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -185,10 +186,11 @@ def markdown_report(report: dict) -> str:
             lines.append(line)
         lines.append("")
         if "auto" in run["summary"]:
+            ran_in = Counter(r.get("dtype") for r in run["results"] if r["method"] == "auto")
             lines += [
                 "auto: the default in the dtype `generate --dtype auto` picks for each prompt (its length and "
-                "the answer's budget); its speedup is over plain in this table's dtype, its mismatches against "
-                "plain in the dtype it ran in.",
+                "the answer's budget; here " + ", ".join(f"{dtype} {n}x" for dtype, n in sorted(ran_in.items())) + "); "
+                "its speedup is over plain in this table's dtype, its mismatches against plain in the dtype it ran in.",
                 "",
             ]
         if modeled:

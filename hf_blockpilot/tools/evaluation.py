@@ -259,6 +259,7 @@ class MethodResult:
     drafted_slots: int = 0  # slots the drafter drafted (or lookup copied), all rounds
     modeled_seconds: float | None = None  # the same rounds timed by the device's cost model (no host noise)
     round_oracle_seconds: float | None = None  # fixed b at T = 0: the per-round verify oracle, modeled
+    dtype: str | None = None  # the dtype it decoded in
 
     @property
     def tokens_per_second(self) -> float:
@@ -325,6 +326,8 @@ def decode_methods(
         }
         # the plain method each output must equal at T = 0 (other dtypes' plains: none, their outputs differ)
         reference = dict.fromkeys(["plain", *methods], "plain")
+        ran_in = {name: next(model.parameters()).dtype for name, model in plains.items()}
+        ran_in |= dict.fromkeys(methods, next(target.parameters()).dtype)
         if auto_dtype:
             dtype = preferred_dtype(
                 target, drafter, prompt_tokens=input_ids.shape[1], new_tokens=max_new_tokens, copies=pairs
@@ -333,7 +336,7 @@ def decode_methods(
             calls["auto"] = functools.partial(
                 timed_generate, pair_target, input_ids, pair_drafter, draft_controller=auto[dtype], **gen
             )
-            reference["auto"] = plain_in[dtype]
+            reference["auto"], ran_in["auto"] = plain_in[dtype], dtype
         # Warm-up of every path, so one-time costs (lazy kernel set-up on CUDA) are not timed.
         for model in plains.values():
             timed_generate(model, input_ids, max_new_tokens=4, do_sample=False)
@@ -362,6 +365,7 @@ def decode_methods(
                     temperature,
                     cost_model if name != "auto" else None,  # the cost model is of the target's dtype
                     fixed=name.startswith("b="),
+                    dtype=ran_in[name],
                 )
             )
     return results
@@ -391,9 +395,10 @@ def method_result(
     temperature: float,
     cost_model: CostModel | None = None,
     fixed: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> MethodResult:
     """One decoded prompt as a `MethodResult` (`stats=None`: plain decoding); `fixed`: a fixed block size, whose
-    greedy rounds give the per-round verify oracle's modeled time."""
+    greedy rounds give the per-round verify oracle's modeled time; `dtype`: the one it decoded in."""
     new_tokens = out.shape[1] - prompt_tokens
     modeled = oracle = None
     if cost_model is not None:
@@ -417,6 +422,7 @@ def method_result(
         drafted_slots=sum(w - 1 for w in stats.widths_per_round) if stats else 0,
         modeled_seconds=modeled,
         round_oracle_seconds=oracle,
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
     )
 
 
