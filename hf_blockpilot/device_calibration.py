@@ -671,15 +671,26 @@ def steps_side_by_side(
     a calibration times `target_ms[1]`, all of them timed interleaved (`interleaved_median_ms`): their speeds at
     one moment of the host."""
     generator = torch.Generator().manual_seed(0)
+    device = next(iter(targets.values())).device
+    batch = f"batch {batch_size} " if batch_size > 1 else ""
     fns = {}
-    for key, target in targets.items():
-        vocab, device = target.get_input_embeddings().weight.shape[0], target.device
-        context = torch.randint(0, vocab, (batch_size, context_tokens), generator=generator).to(device)
-        prefix = DynamicCache()
-        target(context, **{cache_argument(target): prefix}, logits_to_keep=1)
-        token = torch.randint(0, vocab, (batch_size, 1), generator=generator).to(device)
-        fns[key] = _cached_forward(target, verify_view(target, batch_size), prefix, token, context_tokens)
-    return interleaved_median_ms(fns, repeats, next(iter(targets.values())).device)
+    with tqdm(
+        total=len(targets) * (repeats + 2),  # each context's prefill, then its steps
+        desc=f"hf-blockpilot: timing the {'/'.join(map(str, targets))} steps {batch}side by side on "
+        f"{describe_device(device)['name']}",
+        unit="forward",
+        leave=False,
+        mininterval=1.0,
+    ) as bar:
+        for key, target in targets.items():
+            vocab = target.get_input_embeddings().weight.shape[0]
+            context = torch.randint(0, vocab, (batch_size, context_tokens), generator=generator).to(device)
+            prefix = DynamicCache()
+            target(context, **{cache_argument(target): prefix}, logits_to_keep=1)
+            bar.update()
+            token = torch.randint(0, vocab, (batch_size, 1), generator=generator).to(device)
+            fns[key] = _cached_forward(target, verify_view(target, batch_size), prefix, token, context_tokens)
+        return interleaved_median_ms(fns, repeats, device, bar)
 
 
 def host_factors(
