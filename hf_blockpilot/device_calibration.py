@@ -645,13 +645,19 @@ def load_or_calibrate(
 CACHE_ENTRIES = 64
 
 
-def save_calibration(calibration: Calibration, path: Path) -> None:
-    """Write atomically (a temporary file renamed over the entry), so readers never see half a file; then keep
-    only the `CACHE_ENTRIES` most recently written entries of that folder."""
+def write_json_atomically(path: Path, data: Any) -> None:
+    """Write `data` as JSON to `path` through a temporary file renamed over it, so readers never see half a
+    file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(calibration.to_dict(), indent=2))
+    partial.write_text(json.dumps(data, indent=2))
     partial.replace(path)
+
+
+def save_calibration(calibration: Calibration, path: Path) -> None:
+    """Write atomically (`write_json_atomically`); then keep only the `CACHE_ENTRIES` most recently written
+    entries of that folder."""
+    write_json_atomically(path, calibration.to_dict())
     entries = sorted(path.parent.glob("*.json"), key=lambda entry: entry.stat().st_mtime_ns, reverse=True)
     for stale in entries[CACHE_ENTRIES:]:
         stale.unlink(missing_ok=True)  # another process may have removed it first
@@ -717,10 +723,7 @@ def host_factors(
         logger.info("hf-blockpilot: timing the %s one-token steps side by side, once", "/".join(tabled))
         timed = steps_side_by_side({_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens)
         steps = {dtype: timed[dtype] for dtype in tabled}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"tabled": tabled, "steps": steps}, indent=2))
-        partial.replace(path)
+        write_json_atomically(path, {"tabled": tabled, "steps": steps})
     return {dtype: steps[_dtype_name(dtype)] / tabled[_dtype_name(dtype)] for dtype in costs}
 
 
