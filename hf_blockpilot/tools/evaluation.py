@@ -305,8 +305,13 @@ def decode_methods(
         methods["policy"] = PolicyBlockSize(policy)
     methods["default"] = default_controller(drafter)
     methods.update(controllers or {})
-    # per dtype: the plain method in it, and (auto) the pair in it with its default controller
-    plain_in = {next(model.parameters()).dtype: name for name, model in plains.items()}
+    # per method: the dtype it decodes in, and the plain method its output must equal at T = 0 (other dtypes'
+    # plains: none, their outputs differ); per dtype: the plain method in it, and (auto) the pair in it with its
+    # default controller
+    ran_in = {name: next(model.parameters()).dtype for name, model in plains.items()}
+    ran_in |= dict.fromkeys(methods, next(target.parameters()).dtype)
+    reference = dict.fromkeys(["plain", *methods], "plain")
+    plain_in = {dtype: name for name, dtype in ran_in.items() if name in plains}
     pairs = {next(target.parameters()).dtype: (target, drafter)}
     if auto_dtype:
         pairs |= {model.dtype: (model, copy.deepcopy(drafter).to(model.dtype)) for model in others.values()}
@@ -324,10 +329,6 @@ def decode_methods(
             name: functools.partial(timed_generate, target, input_ids, drafter, draft_controller=controller, **gen)
             for name, controller in methods.items()
         }
-        # the plain method each output must equal at T = 0 (other dtypes' plains: none, their outputs differ)
-        reference = dict.fromkeys(["plain", *methods], "plain")
-        ran_in = {name: next(model.parameters()).dtype for name, model in plains.items()}
-        ran_in |= dict.fromkeys(methods, next(target.parameters()).dtype)
         if auto_dtype:
             dtype = preferred_dtype(
                 target, drafter, prompt_tokens=input_ids.shape[1], new_tokens=max_new_tokens, copies=pairs
