@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bf16_rows_bench import median_ms  # this script's directory: run it as scripts/bf16_attention_probe.py
 from torch.utils.cpp_extension import load_inline
 
 SOURCE = r"""
@@ -63,17 +62,6 @@ double products_us(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
 """
 
 
-def median_us(run, repeats: int = 200) -> float:
-    for _ in range(10):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def attention_times(mkl, keys: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 9, 1, 64, generator=g).bfloat16()
@@ -81,7 +69,7 @@ def attention_times(mkl, keys: int) -> dict[str, float]:
     p = torch.rand(9, keys, generator=g).bfloat16()
 
     return {
-        "sdpa_us": median_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        "sdpa_us": 1e3 * median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 200),
         "mkl_products_us": mkl.products_us(q[0, :, 0].contiguous(), k[0].contiguous(), v[0].contiguous(), p, 200),
     }
 
