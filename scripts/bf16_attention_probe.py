@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from bf16_rows_bench import median_ms  # this script's directory: run it as scripts/bf16_attention_probe.py
 from torch.utils.cpp_extension import load_inline
 
+from hf_blockpilot.device_calibration import cpu_description
+
 SOURCE = r"""
 #include <torch/extension.h>
 #include <chrono>
@@ -119,7 +121,8 @@ def four_partial_sums(x: torch.Tensor) -> torch.Tensor:
     partial = [torch.zeros(x.shape[1]) for _ in range(4)]
     whole = n - n % 4
     for i in range(n):
-        partial[i % 4 if i < whole else 0] = partial[i % 4 if i < whole else 0] + x[i]
+        k = i % 4 if i < whole else 0
+        partial[k] = partial[k] + x[i]
     return ((partial[0] + partial[1]) + partial[2]) + partial[3]
 
 
@@ -147,17 +150,25 @@ def main() -> None:
         extra_ldflags=[f"-L{lib}", "-ltorch_cpu"],
     )
     threads = torch.get_num_threads()
-    result: dict = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    result["mkldnn_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    name, flags = cpu_description()
+    result: dict = {
+        "machine": " ".join([name, *flags]),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "times_us": {},
+    }
     for count in sorted({threads, 1}, reverse=True):
         torch.set_num_threads(count)
-        result[f"{count}_threads"] = {str(k): attention_times(mkl, k) for k in (64, 256)}
+        result["times_us"][f"{count} threads"] = {f"{k} keys": attention_times(mkl, k) for k in (64, 256)}
     torch.set_num_threads(threads)
     result["ones_absorbed_16"] = absorbed_ones(mkl)
     result["order_mismatch_share"] = {str(k): order_mismatches(mkl, k) for k in (8, 64, 256)}
-    for key in (f"{threads}_threads", "1_threads"):
-        for keys, row in result.get(key, {}).items():
-            print(f"{key}, {keys} keys: SDPA {row['sdpa_us']:.0f} µs, its MKL products {row['mkl_products_us']:.0f} µs")
+    print(result["machine"])
+    for threads_key, rows in result["times_us"].items():
+        for keys, row in rows.items():
+            sdpa, products = row["sdpa_us"], row["mkl_products_us"]
+            print(f"{threads_key}, {keys}: SDPA {sdpa:.0f} µs, its MKL products {products:.0f} µs")
     print("ones absorbed (row: where B is, column: where -B is; -1: same place):")
     for row in result["ones_absorbed_16"]:
         print(" ".join(f"{n:2d}" for n in row))
