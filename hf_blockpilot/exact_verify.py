@@ -169,8 +169,11 @@ def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.T
     if step_rows > chunk and x.dim() == 3:  # a batch whose plain step is itself one product of step_rows rows
         return _as_plain_steps(module, step_rows, x)
     flat = x.reshape(rows, x.shape[-1])
-    parts = [F.linear(flat[i : i + chunk], module.weight, module.bias) for i in range(0, rows, chunk)]
-    return torch.cat(parts).reshape(*x.shape[:-1], -1)
+    groups = -(-rows // chunk)
+    padded = flat.new_zeros(groups * chunk, x.shape[-1])  # a row rounds alike in any product of <= chunk rows
+    padded[:rows] = flat
+    out = _products(module, padded.view(groups, chunk, -1))
+    return out.reshape(groups * chunk, -1)[:rows].reshape(*x.shape[:-1], -1)
 
 
 def _row_kernel_forward(module: nn.Linear, kernel: RowKernel, x: torch.Tensor) -> torch.Tensor:
@@ -184,13 +187,54 @@ def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch
     """`module(x)` for a batch's (rows, slots, features) verify input, each slot's rows computed as one product of
     exactly `step_rows` rows (zero rows appended where rows have left the batch): as plain batched decoding
     computes every step. A row's rounding depends on its product's row count, not on the other rows."""
-    rows = x.shape[0]
-    padded = x.new_zeros(step_rows, x.shape[-1])
-    slots = []
-    for i in range(x.shape[1]):
-        padded[:rows] = x[:, i]
-        slots.append(F.linear(padded, module.weight, module.bias)[:rows])
-    return torch.stack(slots, dim=1)
+    rows, slots = x.shape[:2]
+    padded = x.new_zeros(slots, step_rows, x.shape[-1])
+    padded[:, :rows] = x.transpose(0, 1)
+    return _products(module, padded)[:, :rows].transpose(0, 1)
+
+
+def _products(module: nn.Linear, groups: torch.Tensor) -> torch.Tensor:
+    """(G, m, out): `F.linear` of each of the G (m, in) products in `groups`, as one batched product where that
+    probes to round every product as `F.linear` rounds it alone (`batched_products_exact`), else one by one."""
+    if batched_products_exact(module.weight, module.bias, groups.shape[1]):
+        return batched_linear(groups, module.weight, module.bias)
+    return torch.stack([F.linear(group, module.weight, module.bias) for group in groups])
+
+
+def batched_linear(groups: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """G products of (m, in) rows with `weight` in one `torch.bmm` call (`baddbmm` with a bias), the weight
+    broadcast to every product, not copied. MKL computes each product with the kernel it takes for that product
+    alone (a one-row product as a one-row product), but for all of them in one call: on the CPUs seen, k one-row
+    float32 products cost about what 1.3-2 cost one by one (docs/exactness.md)."""
+    count = groups.shape[0]
+    weights = weight.t().unsqueeze(0).expand(count, -1, -1)
+    if bias is None:
+        return torch.bmm(groups, weights)
+    return torch.baddbmm(bias.expand(count, groups.shape[1], -1), groups, weights)
+
+
+#: (weight shape, bias or not, dtype, device type, rows a product) -> whether `batched_linear` rounds as `F.linear`.
+_batched_products_exact: dict[tuple, bool] = {}
+#: The probe's inputs of `batched_products_exact`: (products in one call, input scale).
+BATCHED_PROBES = ((2, 0.125), (5, 1.0), (16, 8.0))
+
+
+def batched_products_exact(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+    """Whether `batched_linear` gives every product of `rows` rows exactly what `F.linear` gives it alone, probed
+    once per shape, bias, dtype, device and row count on random inputs at three scales and product counts."""
+    key = (*_row_exact_key(weight, bias), rows)
+    if key not in _batched_products_exact:
+        generator = torch.Generator().manual_seed(0)
+        exact = True
+        with torch.no_grad():
+            for count, scale in BATCHED_PROBES:
+                x = (scale * torch.randn(count, rows, weight.shape[1], generator=generator)).to(weight)
+                alone = torch.stack([F.linear(group, weight, bias) for group in x])
+                if not torch.equal(batched_linear(x, weight, bias), alone):
+                    exact = False
+                    break
+        _batched_products_exact[key] = exact
+    return _batched_products_exact[key]
 
 
 def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:

@@ -157,6 +157,49 @@ def _rounds_unlike_one_row(real: Callable) -> Callable:
     return linear
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batched_rounds_alike", [True, False])
+def test_a_split_linear_batches_its_products_only_where_that_rounds_as_each_alone(
+    monkeypatch, bias, batched_rounds_alike
+):
+    """CPU-independent: a linear split into one-row products (a simulated kernel that rounds k rows unlike one)
+    computes them in one batched call (`batched_linear`) only where the probe finds that call rounds every product
+    as `F.linear` rounds it alone; a simulated batched kernel that rounds one ulp up is caught and the products
+    are computed one by one. Either way every row of a verify equals its one-row product."""
+    from hf_blockpilot.exact_verify import batched_products_exact, slot_key_lengths, use_row_exact_linears
+
+    monkeypatch.setattr(F, "linear", _rounds_unlike_one_row(F.linear))
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
+    monkeypatch.setattr(exact_verify, "_batched_products_exact", {})
+    calls = []
+
+    def recorded(name: str) -> Callable:
+        real = getattr(torch, name)
+
+        def batched(*args, **kwargs):
+            calls.append(name)
+            out = real(*args, **kwargs)
+            return out if batched_rounds_alike else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+        return batched
+
+    for name in ("bmm", "baddbmm"):
+        monkeypatch.setattr(torch, name, recorded(name))
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 64, bias=bias)
+    x = torch.randn(1, 7, 96)
+    with torch.no_grad():
+        alone = torch.cat([F.linear(x[:, i : i + 1], layer.weight, layer.bias) for i in range(7)], dim=1)
+        exact = batched_products_exact(layer.weight, layer.bias, 1)
+        use_row_exact_linears(layer, step_rows=1)
+        calls.clear()
+        with slot_key_lengths([0], [7], masked=False):
+            out = layer(x)
+    assert exact or batched_rounds_alike  # caught; the real kernels probe as they round on this CPU
+    assert calls == ([("baddbmm" if bias else "bmm")] if exact else [])
+    assert torch.equal(out, alone)
+
+
 def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypatch):
     """CPU-independent: a simulated kernel that rounds k rows unlike one is caught by the per-weight probe and by
     calibration's verify probe, the exact path repairs it, and greedy speculative output stays plain's."""
