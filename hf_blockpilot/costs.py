@@ -36,6 +36,8 @@ class CostModel:
     tokens each (see `prefill_estimate_ms`). Sizes between measured ones are interpolated linearly; sizes past the
     largest measured one extend its last slope. `inexact_rows`: verify forwards over these token counts were probed
     not to give plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
+    `split_one_row`: a single request's one-token steps run faster with their one-row products split over the
+    threads (`exact_verify.split_linear`, bit-equal), timed so; `target_ms[1]` is the step the loop then takes.
     At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
     `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
@@ -47,6 +49,7 @@ class CostModel:
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
     inexact_rows: list[int] = field(default_factory=list)  # verifies over these token counts round unlike plain
+    split_one_row: bool = False  # one-token steps of one row faster with split one-row products (calibrated)
     batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
     batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
     prefill_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a context_tokens-a-row prefill

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -48,9 +49,12 @@ CALIBRATION_VERSION = 9  # 2: half-precision verifies timed with one-token-exact
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
-# (`exact_verify.batched_linear`)
+# (`exact_verify.batched_linear`), and one-row steps timed with split products (`CostModel.split_one_row`)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: A single request's one-token steps take split one-row products (`CostModel.split_one_row`) only where the
+#: calibration timed them below this fraction of the stock step: a tie is not worth a different path.
+SPLIT_STEP_GAIN = 0.97
 #: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
 MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 CALIBRATE_ENV = "HF_BLOCKPILOT_CALIBRATE"
@@ -419,15 +423,17 @@ def calibrate(
     device = next(target.parameters()).device
     inexact = probe_exact_verify(target, widths)
     ms = _forward_ms(target, drafter, widths, context_tokens, repeats)
+    split = ms.get("split step", math.inf) < SPLIT_STEP_GAIN * ms[("target", 1)]
     fingerprint = device_fingerprint(target, drafter)
     cost = CostModel(
-        target_ms={n: ms[("target", n)] for n in widths},
+        target_ms={n: ms["split step" if split and n == 1 else ("target", n)] for n in widths},
         drafter_ms={n: ms[("drafter", n)] for n in widths if n > 1},
         device=str(device),
         context_tokens=context_tokens,
         sampling_process_ms=ms["sampling_process"],
         sampling_draw_ms=ms["sampling_draw"],
         inexact_rows=inexact,
+        split_one_row=split,
         prefill_ms={1: ms["prefill"]},
         source=f"calibrated on {fingerprint['name']}, {fingerprint['dtype']}, {fingerprint['threads']} threads",
     )
@@ -466,8 +472,9 @@ def _forward_ms(
 ) -> dict[Any, float]:
     """Median ms (`interleaved_median_ms`, with a progress bar) of what a calibration times, over `batch_size` rows
     after a cached context: target forwards over n tokens a row as `generate` verifies (`verify_view`), the
-    drafter per width, and for one row the sampling work (one row processed, one draw); and, timed once, the
-    prefill of that context (`"prefill"`)."""
+    drafter per width, and for one row the sampling work (one row processed, one draw); on CPU for one row
+    the one-token step with split one-row products too (`"split step"`); and, timed once, the prefill of that
+    context (`"prefill"`)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -502,6 +509,8 @@ def _forward_ms(
         fns.update(sampling_process=process_row, sampling_draw=draw)
     model = verify_view(target, batch_size)  # made once, outside the timings
     fns = {("target", n): verify(n, model) for n in widths} | fns
+    if batch_size == 1 and device.type == "cpu":  # the one-token step with split one-row products
+        fns["split step"] = verify(1, verify_view(target, 1, split_one_row=True))
     batch = f"batch {batch_size} " if batch_size > 1 else ""
     with tqdm(
         total=(repeats + 1) * len(fns),
@@ -672,11 +681,15 @@ def forget_resolved() -> None:
 
 @torch.inference_mode()
 def steps_side_by_side(
-    targets: Mapping[Any, PreTrainedModel], batch_size: int = 1, context_tokens: int = 256, repeats: int = 5
+    targets: Mapping[Any, PreTrainedModel],
+    batch_size: int = 1,
+    context_tokens: int = 256,
+    repeats: int = 5,
+    split: Mapping[Any, bool] | None = None,
 ) -> dict[Any, float]:
     """Each target's one-token step (ms) over `batch_size` rows after a `context_tokens`-long cached context, as
-    a calibration times `target_ms[1]`, all of them timed interleaved (`interleaved_median_ms`): their speeds at
-    one moment of the host."""
+    a calibration times `target_ms[1]` (`split[key]`: with split one-row products), all of them timed interleaved
+    (`interleaved_median_ms`): their speeds at one moment of the host."""
     generator = torch.Generator().manual_seed(0)
     device = next(iter(targets.values())).device
     batch = f"batch {batch_size} " if batch_size > 1 else ""
@@ -696,7 +709,8 @@ def steps_side_by_side(
             target(context, **{cache_argument(target): prefix}, logits_to_keep=1)
             bar.update()
             token = torch.randint(0, vocab, (batch_size, 1), generator=generator).to(device)
-            fns[key] = _cached_forward(target, verify_view(target, batch_size), prefix, token, context_tokens)
+            view = verify_view(target, batch_size, split_one_row=bool(split and split.get(key)))
+            fns[key] = _cached_forward(target, view, prefix, token, context_tokens)
         return interleaved_median_ms(fns, repeats, device, bar)
 
 
@@ -710,6 +724,7 @@ def host_factors(
     than one 20 min later). It is the one-token step timed now, every dtype side by side (`steps_side_by_side`, at
     the calibrations' context), over the step in its table; cached with the calibrations until a table changes."""
     tabled = {_dtype_name(dtype): cost.for_batch(batch_size).verify_ms(1) for dtype, cost in costs.items()}
+    split = {_dtype_name(dtype): cost.for_batch(batch_size).split_one_row for dtype, cost in costs.items()}
     keys = sorted(fingerprint_key(device_fingerprint(*pair)) for pair in pairs.values())
     path = (
         cache_root() / "calibration" / "side-by-side" / f"{fingerprint_key({'pairs': keys, 'batch': batch_size})}.json"
@@ -722,7 +737,9 @@ def host_factors(
     if steps is None:
         context_tokens = max(cost.context_tokens for cost in costs.values()) or 256
         logger.info("hf-blockpilot: timing the %s one-token steps side by side, once", "/".join(tabled))
-        timed = steps_side_by_side({_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens)
+        timed = steps_side_by_side(
+            {_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens, split=split
+        )
         steps = {dtype: timed[dtype] for dtype in tabled}
         write_json_atomically(path, {"tabled": tabled, "steps": steps})
     return {dtype: steps[_dtype_name(dtype)] / tabled[_dtype_name(dtype)] for dtype in costs}

@@ -237,7 +237,54 @@ def batched_products_exact(weight: torch.Tensor, bias: torch.Tensor | None, rows
     return _batched_products_exact[key]
 
 
-def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
+#: (weight shape, bias or not, dtype, device type, parts) -> whether `split_linear` rounds as `F.linear`.
+_split_products_exact: dict[tuple, bool] = {}
+#: Input scales `split_products_exact` probes one-row products at.
+SPLIT_PROBE_SCALES = (0.125, 1.0, 8.0, 64.0)
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
+    """`F.linear` of one row (`x`: (..., in) holding one row) as `parts` products over slices of the weight's
+    outputs, in one `torch.bmm` call (each output is still one dot product over every input): PyTorch spreads
+    the parts over its threads, where MKL runs a one-row float32 product on one thread."""
+    out_features, in_features = weight.shape
+    slices = weight.view(parts, out_features // parts, in_features).transpose(1, 2)
+    row = x.reshape(1, 1, in_features).expand(parts, 1, in_features)
+    if bias is None:
+        out = torch.bmm(row, slices)
+    else:
+        out = torch.baddbmm(bias.view(parts, 1, -1), row, slices)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def split_parts(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """How many parts `split_linear` computes a one-row product with `weight` in: PyTorch's thread count (at
+    least 2) where that divides the outputs and the split probes to round every output as one-row `F.linear`
+    does (once per shape, bias, dtype, device and parts, on inputs at four scales); 1 (no split) elsewhere."""
+    parts = max(torch.get_num_threads(), 2)
+    if weight.dim() != 2 or weight.shape[0] % parts:
+        return 1
+    key = (*_row_exact_key(weight, bias), parts)
+    if key not in _split_products_exact:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            inputs = [
+                (scale * torch.randn(1, weight.shape[1], generator=generator)).to(weight)
+                for scale in SPLIT_PROBE_SCALES
+            ]
+            _split_products_exact[key] = all(
+                torch.equal(split_linear(x, weight, bias, parts), F.linear(x, weight, bias)) for x in inputs
+            )
+    return parts if _split_products_exact[key] else 1
+
+
+def _split_one_row_forward(module: nn.Linear, parts: int, forward: Any, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() != x.shape[-1]:  # not one row: as before
+        return forward(x)
+    return split_linear(x, module.weight, module.bias, parts)
+
+
+def use_row_exact_linears(model: nn.Module, step_rows: int, split_one_row: bool = False) -> None:
     """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) whose weight does not round every row
     alike up to `ROW_PROBE_LIMIT` rows compute a verify forward (within `slot_key_lengths`) as plain decoding's steps
     of `step_rows` rows compute it: in chunks no larger than `row_exact_rows` of its weight where those steps fit in
@@ -245,7 +292,10 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
     rows (`_as_plain_steps`). A bias-free linear whose products round every row alike computes a verify forward
     with `row_kernel` instead where that probes bit-equal to its one-row products (`rounds_as_one_row`: one pass
     over the weight for all rows, so each row rounds as one row, and as a row of plain batched decoding's products
-    does). A linear whose `forward` is overridden on the instance (an accelerate offload hook) is left alone."""
+    does). `split_one_row`: a one-row input, anywhere, is computed with `split_linear` where that probes bit-equal
+    (`split_parts`), so a single request's one-token steps give plain decoding's logits on more threads (whether
+    that is faster is timed at calibration: `CostModel.split_one_row`). A linear whose `forward` is overridden on
+    the instance (an accelerate offload hook) is left alone."""
     for module in model.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__:
             chunk = row_exact_rows(module.weight, module.bias)
@@ -253,6 +303,9 @@ def use_row_exact_linears(model: nn.Module, step_rows: int) -> None:
                 module.forward = partial(_row_exact_forward, module, chunk, step_rows)
             elif module.bias is None and rounds_as_one_row(module.weight):
                 module.forward = partial(_row_kernel_forward, module, row_kernel())
+            parts = split_parts(module.weight, module.bias) if split_one_row else 1
+            if parts > 1:
+                module.forward = partial(_split_one_row_forward, module, parts, module.forward)
 
 
 def call_view(model: nn.Module) -> nn.Module:
@@ -278,17 +331,19 @@ def call_view(model: nn.Module) -> nn.Module:
     return view_of(model)
 
 
-def verify_view(target: nn.Module, batch_size: int = 1) -> nn.Module:
+def verify_view(target: nn.Module, batch_size: int = 1, split_one_row: bool = False) -> nn.Module:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
     same): on CPU (`needs_exact_verify`) a `call_view` of `target` on the exact path, `slotwise_exact_attention`
     with `use_row_exact_linears` for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`,
     so greedy output equals plain decoding bit for bit; elsewhere `target` itself, on the stock kernels. `target`
-    is never changed, so nothing needs undoing."""
+    is never changed, so nothing needs undoing. `split_one_row` (a single request where the calibration timed it
+    faster, `CostModel.split_one_row`): the view's one-row products are split over the threads, bit-equal, and
+    its one-token steps are then the call's plain steps."""
     if not needs_exact_verify(target):
         return target
     view = call_view(target)
     sdpa = isinstance(view, PreTrainedModel) and getattr(view.config, "_attn_implementation", None) == "sdpa"
     if sdpa and view._can_set_attn_implementation():  # its attention goes through `AttentionInterface`
         view.set_attn_implementation(SLOTWISE_EXACT_ATTENTION)
-    use_row_exact_linears(view, batch_size)
+    use_row_exact_linears(view, batch_size, split_one_row and batch_size == 1)
     return view

@@ -68,6 +68,34 @@ def test_calibrate_times_every_width_and_sampling():
     assert "plain steps" in calibration.table() and len(calibration.table().splitlines()) == 5
 
 
+@pytest.mark.parametrize("split_ms", [7.0, 9.9])
+def test_calibration_takes_split_one_row_steps_only_where_timed_faster(monkeypatch, split_ms):
+    """The one-token step is timed stock and with split one-row products; the split is taken (and its time is the
+    plain step's) only where it was timed below `SPLIT_STEP_GAIN` of the stock step. Cached with the rest."""
+    target, drafter = pair()
+    timed = {("target", 1): 10.0, ("target", 2): 12.0, ("drafter", 2): 1.0, "split step": split_ms}
+    timed |= {"sampling_process": 0.1, "sampling_draw": 0.2, "prefill": 30.0}
+    seen = []
+
+    def forward_ms(target, drafter, widths, context_tokens, repeats, batch_size=1):
+        seen.append(batch_size)
+        return dict(timed)
+
+    monkeypatch.setattr(device_calibration, "_forward_ms", forward_ms)
+    cost = calibrate(target, drafter, [1, 2], context_tokens=8, repeats=1).cost_model
+    split = split_ms < device_calibration.SPLIT_STEP_GAIN * 10.0
+    assert cost.split_one_row is split and cost.target_ms == {1: split_ms if split else 10.0, 2: 12.0}
+    assert CostModel.from_dict(cost.to_dict()).split_one_row is split
+    assert cost.for_batch(4).split_one_row is False  # a batch's steps are products of several rows
+
+
+def test_calibration_times_a_real_split_step_on_cpu():
+    """On CPU the calibration's timings include the one-token step with split one-row products."""
+    target, drafter = pair()
+    ms = device_calibration._forward_ms(target, drafter, [1, 2], context_tokens=8, repeats=1)
+    assert ms["split step"] > 0
+
+
 def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
     target, drafter = pair()
     cost = resolve_cost_model(target, drafter)
@@ -345,8 +373,9 @@ def test_auto_dtype_compares_the_calibrations_at_one_host_speed(calibrating, mon
     now = {"float32": 10.0, "bfloat16": 9.0}  # the steps timed side by side
     timings = []
 
-    def side_by_side(targets, batch_size, context_tokens):
+    def side_by_side(targets, batch_size, context_tokens, split):
         timings.append((sorted(targets), batch_size, context_tokens))
+        assert split == {"float32": False, "bfloat16": False}  # the steps timed as the tables timed them
         return now
 
     monkeypatch.setattr(device_calibration, "steps_side_by_side", side_by_side)

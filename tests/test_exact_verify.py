@@ -172,19 +172,7 @@ def test_a_split_linear_batches_its_products_only_where_that_rounds_as_each_alon
     monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
     monkeypatch.setattr(exact_verify, "_batched_products_exact", {})
     calls = []
-
-    def recorded(name: str) -> Callable:
-        real = getattr(torch, name)
-
-        def batched(*args, **kwargs):
-            calls.append(name)
-            out = real(*args, **kwargs)
-            return out if batched_rounds_alike else torch.nextafter(out, torch.full_like(out, float("inf")))
-
-        return batched
-
-    for name in ("bmm", "baddbmm"):
-        monkeypatch.setattr(torch, name, recorded(name))
+    _recorded_batched_products(monkeypatch, calls, batched_rounds_alike)
     torch.manual_seed(0)
     layer = nn.Linear(96, 64, bias=bias)
     x = torch.randn(1, 7, 96)
@@ -198,6 +186,91 @@ def test_a_split_linear_batches_its_products_only_where_that_rounds_as_each_alon
     assert batched_rounds_alike or not exact  # caught; the real kernels probe as they round on this CPU
     assert calls == ([("baddbmm" if bias else "bmm")] if exact else [])
     assert torch.equal(out, alone)
+
+
+def _recorded_batched_products(monkeypatch, calls: list, rounds_alike: bool) -> None:
+    """`torch.bmm` / `torch.baddbmm` recording their calls; rounding one ulp up unless `rounds_alike`."""
+
+    def recorded(name: str) -> Callable:
+        real = getattr(torch, name)
+
+        def batched(*args, **kwargs):
+            calls.append(name)
+            out = real(*args, **kwargs)
+            return out if rounds_alike else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+        return batched
+
+    for name in ("bmm", "baddbmm"):
+        monkeypatch.setattr(torch, name, recorded(name))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("split_rounds_alike", [True, False])
+def test_one_row_products_are_split_only_where_that_rounds_as_one_row(monkeypatch, bias, split_rounds_alike):
+    """CPU-independent: with `split_one_row`, a one-row input is computed over slices of the weight's outputs in
+    one batched call (`split_linear`) only where the probe finds it bit-equal to one-row `F.linear`; a simulated
+    batched kernel that rounds one ulp up is caught (no split). Several rows, and views without the switch, keep
+    the linear's own forward."""
+    from hf_blockpilot.exact_verify import split_parts, use_row_exact_linears
+
+    monkeypatch.setattr(exact_verify, "_split_products_exact", {})
+    calls = []
+    _recorded_batched_products(monkeypatch, calls, split_rounds_alike)
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 64, bias=bias)
+    plain = nn.Linear(96, 64, bias=bias)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 1, 96)
+    with torch.no_grad():
+        expected, several = (
+            F.linear(x, layer.weight, layer.bias),
+            F.linear(x.expand(1, 3, 96), layer.weight, layer.bias),
+        )
+        parts = split_parts(layer.weight, layer.bias)
+        use_row_exact_linears(layer, step_rows=1, split_one_row=True)
+        use_row_exact_linears(plain, step_rows=1)
+        calls.clear()
+        out, out_several, out_plain = layer(x), layer(x.expand(1, 3, 96)), plain(x)
+    assert split_rounds_alike or parts == 1
+    assert calls == ([("baddbmm" if bias else "bmm")] if parts > 1 else [])
+    assert torch.equal(out, expected) and torch.equal(out_several, several) and torch.equal(out_plain, expected)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_request_whose_steps_take_split_products_stays_plain_generates(monkeypatch, split):
+    """Where the calibration timed split one-row products faster (`CostModel.split_one_row`), a single request's
+    plain steps run on the call's view with them (negative control: else on the stock model), and greedy output
+    stays plain `generate`'s, whether it drafts or steps plain."""
+    import hf_blockpilot.custom_generate as custom_generate_module
+    from hf_blockpilot.controllers import SpeculationGuard
+    from hf_blockpilot.costs import CostModel
+
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=5)
+    drafter = make_drafter(target, block_size=4, seed=5, scale=4.0)
+    views = []
+    real = custom_generate_module.verify_view
+
+    def recording(*args):
+        views.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(custom_generate_module, "verify_view", recording)
+    on_stock = []
+    target.register_forward_hook(lambda module, *args: on_stock.append(module is target))  # views copy the hook
+    for case, step_ms in enumerate((10.0, 1.0, 10.0, 1.0)):  # 1 ms steps: drafting cannot pay, the guard steps plain
+        prompt = torch.randint(3, 48, (1, 5 + 4 * case), generator=torch.Generator().manual_seed(case))
+        kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+        plain = target.generate(prompt, **kwargs)
+        controller = SpeculationGuard(DraftController(4))
+        controller.use_cost_model(CostModel(target_ms={1: step_ms, 4: 12.0}, drafter_ms={4: 1.0}, split_one_row=split))
+        on_stock.clear()
+        out = target.generate(prompt, assistant_model=drafter, draft_controller=controller, **kwargs)
+        assert torch.equal(out, plain), case
+        assert views[-1][2] is split
+        if step_ms == 1.0:  # plain steps only
+            assert drafter.last_stats.drafter_forwards == 0
+            assert any(on_stock[1:]) is not split  # after the prefill: the stock model, or with split the view
 
 
 def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypatch):
