@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -195,17 +196,18 @@ def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch
 
 def _products(module: nn.Linear, groups: torch.Tensor) -> torch.Tensor:
     """(G, m, out): `F.linear` of each of the G (m, in) products in `groups`, as one batched product where that
-    probes to round every product as `F.linear` rounds it alone (`batched_products_exact`), else one by one."""
-    if batched_products_exact(module.weight, module.bias, groups.shape[1]):
+    probes to round every product as `F.linear` rounds it alone and to be faster (`batched_products_pay`), else
+    one by one."""
+    if batched_products_pay(module.weight, module.bias, groups.shape[1]):
         return batched_linear(groups, module.weight, module.bias)
     return torch.stack([F.linear(group, module.weight, module.bias) for group in groups])
 
 
 def batched_linear(groups: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """G products of (m, in) rows with `weight` in one `torch.bmm` call (`baddbmm` with a bias), the weight
-    broadcast to every product, not copied. MKL computes each product with the kernel it takes for that product
-    alone (a one-row product as a one-row product), but for all of them in one call: on the CPUs seen, k one-row
-    float32 products cost about what 1.3-2 cost one by one (docs/exactness.md)."""
+    broadcast to every product, not copied. MKL computes each float32 product with the kernel it takes for that
+    product alone (a one-row product as a one-row product), but all of them in one call, spread over the threads
+    (docs/exactness.md)."""
     count = groups.shape[0]
     weights = weight.t().unsqueeze(0).expand(count, -1, -1)
     if bias is None:
@@ -213,28 +215,45 @@ def batched_linear(groups: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return torch.baddbmm(bias.expand(count, groups.shape[1], -1), groups, weights)
 
 
-#: (weight shape, bias or not, dtype, device type, rows a product) -> whether `batched_linear` rounds as `F.linear`.
-_batched_products_exact: dict[tuple, bool] = {}
-#: The probe's inputs of `batched_products_exact`: (products in one call, input scale).
-BATCHED_PROBES = ((2, 0.125), (5, 1.0), (16, 8.0))
+#: (weight shape, bias or not, dtype, device type, rows a product) -> whether `batched_linear` is exact and faster.
+_batched_products_pay: dict[tuple, bool] = {}
+#: The probe's inputs of `batched_products_pay`: (products in one call, input scale); the last is also timed.
+BATCHED_PROBES = ((2, 0.125), (5, 1.0), (4, 8.0))
+#: Timed calls of each way in `batched_products_pay` (the fastest counts).
+BATCHED_TIMINGS = 3
 
 
-def batched_products_exact(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
-    """Whether `batched_linear` gives every product of `rows` rows exactly what `F.linear` gives it alone, probed
-    once per shape, bias, dtype, device and row count on random inputs at three scales and product counts."""
+def batched_products_pay(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
+    """Whether `batched_linear` gives every product of `rows` rows exactly what `F.linear` gives it alone (random
+    inputs at three scales and product counts) and computes 4 such products faster than `F.linear` one by one
+    (bfloat16 `bmm` has been 36x slower than its one-row product on a CPU); probed once per shape, bias, dtype,
+    device and row count."""
     key = (*_row_exact_key(weight, bias), rows)
-    if key not in _batched_products_exact:
+    if key not in _batched_products_pay:
         generator = torch.Generator().manual_seed(0)
-        exact = True
+        pays = True
         with torch.no_grad():
             for count, scale in BATCHED_PROBES:
                 x = (scale * torch.randn(count, rows, weight.shape[1], generator=generator)).to(weight)
                 alone = torch.stack([F.linear(group, weight, bias) for group in x])
                 if not torch.equal(batched_linear(x, weight, bias), alone):
-                    exact = False
+                    pays = False
                     break
-        _batched_products_exact[key] = exact
-    return _batched_products_exact[key]
+            if pays:  # x: the last probe's products
+                one_by_one = _fastest_s(lambda: [F.linear(group, weight, bias) for group in x])
+                pays = _fastest_s(partial(batched_linear, x, weight, bias)) < one_by_one
+        _batched_products_pay[key] = pays
+    return _batched_products_pay[key]
+
+
+def _fastest_s(run: Callable[[], Any]) -> float:
+    """The fastest of `BATCHED_TIMINGS` calls of `run`, in seconds (CPU)."""
+    times = []
+    for _ in range(BATCHED_TIMINGS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 #: (weight shape, bias or not, dtype, device type, parts) -> whether `split_linear` rounds as `F.linear`.

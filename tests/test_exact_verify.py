@@ -4,6 +4,7 @@ path is its own."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 
@@ -158,44 +159,47 @@ def _rounds_unlike_one_row(real: Callable) -> Callable:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("batched_rounds_alike", [True, False])
-def test_a_split_linear_batches_its_products_only_where_that_rounds_as_each_alone(
-    monkeypatch, bias, batched_rounds_alike
-):
+@pytest.mark.parametrize("batched", ["real", "one ulp up", "slow"])
+def test_a_split_linear_batches_its_products_only_where_that_is_exact_and_faster(monkeypatch, bias, batched):
     """CPU-independent: a linear split into one-row products (a simulated kernel that rounds k rows unlike one)
     computes them in one batched call (`batched_linear`) only where the probe finds that call rounds every product
-    as `F.linear` rounds it alone; a simulated batched kernel that rounds one ulp up is caught and the products
-    are computed one by one. Either way every row of a verify equals its one-row product."""
-    from hf_blockpilot.exact_verify import batched_products_exact, slot_key_lengths, use_row_exact_linears
+    as `F.linear` rounds it alone and runs faster; a simulated batched kernel that rounds one ulp up, or one that
+    is slow, is caught and the products are computed one by one. Either way every row of a verify equals its
+    one-row product."""
+    from hf_blockpilot.exact_verify import batched_products_pay, slot_key_lengths, use_row_exact_linears
 
     monkeypatch.setattr(F, "linear", _rounds_unlike_one_row(F.linear))
     monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
-    monkeypatch.setattr(exact_verify, "_batched_products_exact", {})
+    monkeypatch.setattr(exact_verify, "_batched_products_pay", {})
     calls = []
-    _recorded_batched_products(monkeypatch, calls, batched_rounds_alike)
+    _recorded_batched_products(
+        monkeypatch, calls, rounds_alike=batched != "one ulp up", delay_s=0.02 * (batched == "slow")
+    )
     torch.manual_seed(0)
     layer = nn.Linear(96, 64, bias=bias)
     x = torch.randn(1, 7, 96)
     with torch.no_grad():
         alone = torch.cat([F.linear(x[:, i : i + 1], layer.weight, layer.bias) for i in range(7)], dim=1)
-        exact = batched_products_exact(layer.weight, layer.bias, 1)
+        pays = batched_products_pay(layer.weight, layer.bias, 1)
         use_row_exact_linears(layer, step_rows=1)
         calls.clear()
         with slot_key_lengths([0], [7], masked=False):
             out = layer(x)
-    assert batched_rounds_alike or not exact  # caught; the real kernels probe as they round on this CPU
-    assert calls == ([("baddbmm" if bias else "bmm")] if exact else [])
+    assert batched == "real" or not pays  # caught; the real kernels probe as they are on this CPU
+    assert calls == ([("baddbmm" if bias else "bmm")] if pays else [])
     assert torch.equal(out, alone)
 
 
-def _recorded_batched_products(monkeypatch, calls: list, rounds_alike: bool) -> None:
-    """`torch.bmm` / `torch.baddbmm` recording their calls; rounding one ulp up unless `rounds_alike`."""
+def _recorded_batched_products(monkeypatch, calls: list, rounds_alike: bool, delay_s: float = 0.0) -> None:
+    """`torch.bmm` / `torch.baddbmm` recording their calls; rounding one ulp up unless `rounds_alike`; taking
+    `delay_s` longer."""
 
     def recorded(name: str) -> Callable:
         real = getattr(torch, name)
 
         def batched(*args, **kwargs):
             calls.append(name)
+            time.sleep(delay_s)
             out = real(*args, **kwargs)
             return out if rounds_alike else torch.nextafter(out, torch.full_like(out, float("inf")))
 
