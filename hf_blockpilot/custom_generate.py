@@ -83,7 +83,8 @@ def generate(
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
     # compiled forwards take no exact path (warned); a view whose one-row products are split also takes the steps
-    view = model if compile else verify_view(model, rows, controller.cost_model.split_one_row)
+    split = controller.cost_model.split_one_row and rows == 1
+    view = model if compile else verify_view(model, rows, split)
     decoder = BatchedSpeculativeDecoder(
         view,
         drafter,
@@ -94,7 +95,7 @@ def generate(
         stopping_criteria,
         stream,
         model_kwargs,
-        plain_target=view if controller.cost_model.split_one_row and rows == 1 else model,
+        plain_target=view if split else model,
         prompt_lookup=prompt_lookup,
         compiled=compiled,
         capacity=capacity,

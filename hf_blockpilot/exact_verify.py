@@ -258,7 +258,7 @@ def _fastest_s(run: Callable[[], Any]) -> float:
 
 #: (weight shape, bias or not, dtype, device type, parts) -> whether `split_linear` rounds as `F.linear`.
 _split_products_exact: dict[tuple, bool] = {}
-#: Input scales `split_products_exact` probes one-row products at.
+#: Input scales `split_parts` probes one-row products at.
 SPLIT_PROBE_SCALES = (0.125, 1.0, 8.0, 64.0)
 
 
@@ -297,7 +297,9 @@ def split_parts(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     return parts if _split_products_exact[key] else 1
 
 
-def _split_one_row_forward(module: nn.Linear, parts: int, forward: Any, x: torch.Tensor) -> torch.Tensor:
+def _split_one_row_forward(
+    module: nn.Linear, parts: int, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
     if x.numel() != x.shape[-1]:  # not one row: as before
         return forward(x)
     return split_linear(x, module.weight, module.bias, parts)
