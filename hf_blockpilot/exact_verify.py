@@ -3,7 +3,8 @@
 CPU kernels round a forward over several tokens unlike one-token steps, so a near-tie can flip a greedy choice.
 `verify_view` (the one place that decides how a call verifies) gives each call its own view of the target
 in which a verify forward computes attention one query at a time (`slotwise_exact_attention`) and linear layers
-in products of as many rows as this machine's kernels round alike (`row_exact_rows`). Calibration probes the
+through `row_kernel` (every row in one pass over the weight, each rounded as one row) where it probes exact,
+else in products of as many rows as this machine's kernels round alike (`row_exact_rows`). Calibration probes the
 whole path (`probe_exact_verify`) and times it, so decisions weigh its cost (docs/exactness.md: which kernels
 differ on which CPUs).
 """
@@ -306,24 +307,24 @@ def _split_one_row_forward(
 
 
 def use_row_exact_linears(model: nn.Module, step_rows: int, split_one_row: bool = False) -> None:
-    """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) whose weight does not round every row
-    alike up to `ROW_PROBE_LIMIT` rows compute a verify forward (within `slot_key_lengths`) as plain decoding's steps
-    of `step_rows` rows compute it: in chunks no larger than `row_exact_rows` of its weight where those steps fit in
-    one such chunk (each row then rounds as it rounds alone), else slot by slot as products of exactly `step_rows`
-    rows (`_as_plain_steps`). A bias-free linear whose products round every row alike computes a verify forward
-    with `row_kernel` instead where that probes bit-equal to its one-row products (`rounds_as_one_row`: one pass
-    over the weight for all rows, so each row rounds as one row, and as a row of plain batched decoding's products
-    does). `split_one_row`: a one-row input, anywhere, is computed with `split_linear` where that probes bit-equal
-    (`split_parts`), so a single request's one-token steps give plain decoding's logits on more threads (whether
-    that is faster is timed at calibration: `CostModel.split_one_row`). A linear whose `forward` is overridden on
-    the instance (an accelerate offload hook) is left alone."""
+    """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) compute a verify forward (within
+    `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it. A bias-free linear whose
+    products of `step_rows` rows round every row as one row (`row_exact_rows`) uses `row_kernel` where that probes
+    bit-equal to its one-row products (`rounds_as_one_row`: one pass over the weight for all rows, each row rounded
+    as one row). Otherwise, a weight that does not round every row alike up to `ROW_PROBE_LIMIT` rows computes it in
+    chunks no larger than `row_exact_rows` where those steps fit in one such chunk (each row then rounds as it
+    rounds alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). `split_one_row`:
+    a one-row input, anywhere, is computed with `split_linear` where that probes bit-equal (`split_parts`), so a
+    single request's one-token steps give plain decoding's logits on more threads (whether that is faster is timed
+    at calibration: `CostModel.split_one_row`). A linear whose `forward` is overridden on the instance (an
+    accelerate offload hook) is left alone."""
     for module in model.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__:
             chunk = row_exact_rows(module.weight, module.bias)
-            if chunk < ROW_PROBE_LIMIT:
+            if step_rows <= chunk and module.bias is None and rounds_as_one_row(module.weight):
+                module.forward = partial(_row_kernel_forward, module, row_kernel(module.weight.dtype))
+            elif chunk < ROW_PROBE_LIMIT:
                 module.forward = partial(_row_exact_forward, module, chunk, step_rows)
-            elif module.bias is None and rounds_as_one_row(module.weight):
-                module.forward = partial(_row_kernel_forward, module, row_kernel())
             parts = split_parts(module.weight, module.bias) if split_one_row else 1
             if parts > 1:
                 module.forward = partial(_split_one_row_forward, module, parts, module.forward)

@@ -1,12 +1,14 @@
-"""A CPU kernel for verify forwards in bfloat16: k rows in one pass over the weight, each row rounded exactly as
-PyTorch's one-row product rounds it.
+"""CPU kernels for verify forwards: k rows in one pass over the weight, each row rounded exactly as this machine's
+one-row product rounds it.
 
-On CPUs without bfloat16 matrix instructions PyTorch computes a bfloat16 product of k rows as k one-row dot-product
-passes, so a k-token verify costs nearly k plain steps. `kernels/bf16_rows.cpp` does each row's operations in the
-same order but converts the weight once for all rows. It is built at first use (a C++ compiler and ninja, with
-`torch.utils.cpp_extension`, cached per machine and torch version) and used for a weight only where it probes
-bit-equal to one-row `F.linear` (`rounds_as_one_row`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the
-stock products serve. docs/exactness.md has the measurements.
+bfloat16: on CPUs without bfloat16 matrix instructions PyTorch computes a product of k rows as k one-row dot-product
+passes, so a k-token verify costs nearly k plain steps. float32: where MKL's one-row product takes its SSE path (the
+AMD EPYCs seen), its k-row products round otherwise, so the exact path ran k one-row products, k passes over the
+weight. `kernels/linear_rows.cpp` does each row's operations in the order of the one-row product but reads the
+weight once for all rows. It is built at first use (a C++ compiler and ninja, with `torch.utils.cpp_extension`,
+cached per machine and torch version) and used for a weight only where it probes bit-equal to one-row `F.linear`
+(`rounds_as_one_row`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the stock products serve.
+docs/exactness.md has the measurements.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "bf16_rows.cpp"
+SOURCE = Path(__file__).parent / "kernels" / "linear_rows.cpp"
 #: Set to "0" to never build or use the kernel.
 SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
-#: The float lanes of PyTorch's vectors per CPU capability: the accumulator layout the kernel reproduces. Only
+#: The float lanes of PyTorch's vectors per CPU capability: the bfloat16 accumulator layout the kernel reproduces. Only
 #: AVX2 is listed: the AVX-512 CPUs seen multiply bfloat16 with oneDNN (native instructions), which this kernel
 #: does not reproduce, so building it there would be wasted.
 LANE_WIDTHS = {"AVX2": 8}
@@ -55,12 +57,13 @@ def build_directory() -> Path:
     `$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions` (where `torch.utils.cpp_extension` keeps its builds),
     in `hf_blockpilot/`."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    return Path(root).expanduser() / "hf_blockpilot" / f"hf_blockpilot_bf16_rows_{_machine_tag()}"
+    return Path(root).expanduser() / "hf_blockpilot" / f"hf_blockpilot_linear_rows_{_machine_tag()}"
 
 
 @functools.cache
 def extension() -> Any | None:
-    """The built `kernels/bf16_rows.cpp` module (`linear_rows(x, weight, lane_width)`), cached per process; `None`
+    """The built `kernels/linear_rows.cpp` module (`bf16_rows(x, weight, lane_width)`, `f32_rows(x, weight)`), cached
+    per process; `None`
     where it is switched off or cannot be built (no compiler or ninja, or another process's build did not end
     within `BUILD_WAIT_S`: said once)."""
     if os.environ.get(SWITCH, "1") == "0":
@@ -69,7 +72,7 @@ def extension() -> Any | None:
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
-    logger.info("hf-blockpilot: loading its bfloat16 verify kernel (built once per machine: about a minute)")
+    logger.info("hf-blockpilot: loading its verify kernels (built once per machine: about a minute)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # An OS file lock, released when its process ends, so a build interrupted by a kill cannot leave the next
@@ -85,26 +88,62 @@ def extension() -> Any | None:
                 build_directory=str(directory),
             )
     except Exception as error:  # noqa: BLE001 - any build failure leaves the stock products in place
-        logger.warning("hf-blockpilot: bfloat16 verify kernel not built (%s); verifies use PyTorch's products", error)
+        logger.warning("hf-blockpilot: verify kernels not built (%s); verifies use PyTorch's products", error)
         return None
 
 
-def row_kernel() -> RowKernel | None:
-    """`kernel(x (rows, in), weight (out, in))` -> (rows, out), both bfloat16, with this CPU's lane layout; `None`
-    where PyTorch's CPU capability has no known lane layout or `extension` is not available."""
-    width = LANE_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
-    module = extension() if width is not None else None
-    return None if module is None else lambda x, weight: module.linear_rows(x, weight, width)
+def _sums_in_sse_order(products: torch.Tensor, peel: int) -> torch.Tensor:
+    """Each row of `products` (out, in) summed in MKL's SSE order (`kernels/linear_rows.cpp`): the first `peel`
+    one by one into lane 0 of 4, then 4-input vectors lane by lane, lanes (0 + 2) + (1 + 3), the rest one by one."""
+    vectors = (products.shape[1] - peel) // 4
+    lanes = products.new_zeros(products.shape[0], 4)
+    for j in range(peel):
+        lanes[:, 0] = lanes[:, 0] + products[:, j]
+    for block in products[:, peel : peel + 4 * vectors].unflatten(1, (vectors, 4)).unbind(1):
+        lanes = lanes + block
+    total = (lanes[:, 0] + lanes[:, 2]) + (lanes[:, 1] + lanes[:, 3])
+    for j in range(peel + 4 * vectors, products.shape[1]):
+        total = total + products[:, j]
+    return total
+
+
+@functools.cache
+def one_row_float32_in_sse_order() -> bool:
+    """Whether this machine's one-row float32 `F.linear` sums in the order `f32_rows` reproduces: emulated with
+    PyTorch's elementwise operations on a small weight at three input scales, before anything is built."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 72, generator=generator)
+    peel = 4 - weight.data_ptr() // 4 % 4
+    for scale in (0.125, 1.0, 64.0):
+        x = scale * torch.randn(1, 72, generator=generator)
+        if not torch.equal(_sums_in_sse_order(weight * x, peel), F.linear(x, weight)[0]):
+            return False
+    return True
+
+
+def row_kernel(dtype: torch.dtype = torch.bfloat16) -> RowKernel | None:
+    """`kernel(x (rows, in), weight (out, in))` -> (rows, out) in `dtype` (bfloat16, with this CPU's lane layout, or
+    float32, where `one_row_float32_in_sse_order`); `None` for other dtypes, where neither holds, or where `extension`
+    is not available."""
+    if dtype == torch.bfloat16:
+        width = LANE_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
+        module = extension() if width is not None else None
+        return None if module is None else lambda x, weight: module.bf16_rows(x, weight, width)
+    if dtype == torch.float32:
+        module = extension() if one_row_float32_in_sse_order() else None
+        return None if module is None else module.f32_rows
+    return None
 
 
 def rounds_as_one_row(weight: torch.Tensor) -> bool:
     """Whether `row_kernel` gives every row of a product with `weight` (bias-free) exactly what one-row
-    `F.linear` gives it, probed once per shape on inputs at three scales. False for anything but a 2-D bfloat16
-    CPU weight, and where the kernel is not available."""
-    key = (tuple(weight.shape), weight.dtype, weight.device.type)
+    `F.linear` gives it, probed once per shape and alignment (a float32 row's address decides MKL's order) on
+    inputs at three scales. False for anything but a 2-D contiguous bfloat16 or float32 CPU weight, and where the
+    kernel is not available."""
+    key = (weight.data_ptr() % 64, tuple(weight.shape), weight.dtype, weight.device.type)
     if key not in _rounds_as_one_row:
-        eligible = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-        kernel = row_kernel() if eligible else None
+        eligible = weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+        kernel = row_kernel(weight.dtype) if eligible else None
         exact = kernel is not None
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():

@@ -48,17 +48,12 @@ def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtyp
         steps = torch.cat([target(block[:, i : i + 1], **{argument: steps_cache}).logits for i in range(6)], 1)
         model = exact_verify.verify_view(target)
         assert model.config._attn_implementation == exact_verify.SLOTWISE_EXACT_ATTENTION
-        # linears are split where this CPU's kernels round k rows unlike one (probed, so on every CPU)
-        inexact = [
-            m for m in target.modules() if type(m) is nn.Linear and row_exact_rows(m.weight, m.bias) < ROW_PROBE_LIMIT
-        ]
-        # and the rest computed by `row_kernel` where it probes bit-equal to one-row products (bfloat16 on CPUs
-        # whose bfloat16 products are dot products, e.g. AVX2 only)
-        kernel = [
-            m
-            for m in target.modules()
-            if type(m) is nn.Linear and m not in inexact and m.bias is None and rounds_as_one_row(m.weight)
-        ]
+        # linears computed by `row_kernel` where it probes bit-equal to one-row products (bfloat16 on CPUs whose
+        # bfloat16 products are dot products, e.g. AVX2 only; float32 where MKL's one-row products take its SSE path)
+        linears = [m for m in target.modules() if type(m) is nn.Linear]
+        kernel = [m for m in linears if m.bias is None and rounds_as_one_row(m.weight)]
+        # and the rest split where this CPU's kernels round k rows unlike one (probed, so on every CPU)
+        inexact = [m for m in linears if m not in kernel and row_exact_rows(m.weight, m.bias) < ROW_PROBE_LIMIT]
         assert sum("forward" in module.__dict__ for module in model.modules()) == len(inexact) + len(kernel)
         # the call's own view: the shared model is untouched while it runs
         assert target.config._attn_implementation == "sdpa"

@@ -1,11 +1,13 @@
-"""The bfloat16 verify kernel: used only where it probes bit-equal to one-row products (a simulated kernel that
-rounds one output differently is refused, on any CPU), and where this machine builds it, every row of its products
-equals the row's one-row `F.linear`."""
+"""The verify kernels (bfloat16 and float32): used only where they probe bit-equal to one-row products (a simulated
+kernel that rounds one output differently is refused, on any CPU), and where this machine builds them, every row of
+their products equals the row's one-row `F.linear`."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,8 +32,8 @@ def simulated_kernel(monkeypatch):
     """Install `kernel` as this process's row kernel, with the probe's results forgotten (before and after)."""
 
     def install(kernel):
-        monkeypatch.setattr(row_kernel, "row_kernel", lambda: kernel)
-        monkeypatch.setattr(exact_verify, "row_kernel", lambda: kernel)
+        monkeypatch.setattr(row_kernel, "row_kernel", lambda dtype: kernel)
+        monkeypatch.setattr(exact_verify, "row_kernel", lambda dtype: kernel)
         monkeypatch.setattr(row_kernel, "_rounds_as_one_row", {})
 
     return install
@@ -43,9 +45,40 @@ def test_the_probe_refuses_a_kernel_that_rounds_one_output_unlike_one_row(simula
     assert not row_kernel.rounds_as_one_row(weight)
     simulated_kernel(_one_row_products)
     assert row_kernel.rounds_as_one_row(weight)
-    assert not row_kernel.rounds_as_one_row(weight.float())  # bfloat16 only
+    assert not row_kernel.rounds_as_one_row(weight.t())  # a contiguous weight only
     simulated_kernel(None)  # not built here
     assert not row_kernel.rounds_as_one_row(weight)
+
+
+def test_no_kernel_for_other_dtypes_nor_for_float32_summed_in_another_order(monkeypatch):
+    def no_build():
+        raise AssertionError("built")
+
+    monkeypatch.setattr(row_kernel, "extension", no_build)
+    assert row_kernel.row_kernel(torch.float16) is None
+    monkeypatch.setattr(row_kernel, "one_row_float32_in_sse_order", lambda: False)
+    assert row_kernel.row_kernel(torch.float32) is None  # nothing built where MKL sums otherwise
+
+
+@pytest.mark.parametrize("peel", [1, 2, 3, 4])
+def test_the_sse_order_emulation_sums_in_the_documented_order(peel):
+    generator = torch.Generator().manual_seed(peel)
+    products = torch.randn(16, 23, generator=generator) * 2.0 ** torch.randint(-20, 20, (16, 23), generator=generator)
+    expected = []
+    for row in products.numpy():  # one float32 operation at a time, as `kernels/linear_rows.cpp` documents
+        lanes = [np.float32(0)] * 4
+        for j in range(peel):
+            lanes[0] = np.float32(lanes[0] + row[j])
+        vectors = (23 - peel) // 4
+        for j in range(peel, peel + 4 * vectors):
+            lanes[(j - peel) % 4] = np.float32(lanes[(j - peel) % 4] + row[j])
+        total = np.float32(np.float32(lanes[0] + lanes[2]) + np.float32(lanes[1] + lanes[3]))
+        for j in range(peel + 4 * vectors, 23):
+            total = np.float32(total + row[j])
+        expected.append(total)
+    assert torch.equal(row_kernel._sums_in_sse_order(products, peel), torch.tensor(expected))
+    left_to_right = torch.tensor([functools.reduce(lambda a, b: np.float32(a + b), row) for row in products.numpy()])
+    assert not torch.equal(torch.tensor(expected), left_to_right)  # these sums tell the orders apart
 
 
 def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(simulated_kernel):
@@ -60,7 +93,6 @@ def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(sim
     x = torch.randn(2, 5, 32).to(torch.bfloat16)
     with torch.no_grad():
         stock = model(x)
-        exact = exact_verify.row_exact_rows(model[0].weight) == exact_verify.ROW_PROBE_LIMIT
         use_row_exact_linears(model, step_rows=1)
         calls.clear()
         assert torch.equal(model(x), stock)  # outside a verify forward (a prefill): the stock products
@@ -68,19 +100,21 @@ def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(sim
         with slot_key_lengths([0, 0], [5, 5], masked=False):
             verified = model(x)
     assert torch.equal(verified, torch.cat([model(x[:, i : i + 1]) for i in range(5)], 1))
-    # the bias-free linear goes through the kernel (10 rows at once) where its stock products round every row alike;
-    # the linear with a bias never does
-    assert calls == ([10] if exact else [])
+    # the bias-free linear goes through the kernel (10 rows at once); the linear with a bias never does
+    assert calls == [10]
 
 
-def test_the_built_kernel_rounds_every_row_as_one_row_on_this_machine():
-    kernel = row_kernel.row_kernel()
-    weight = torch.randn(576, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 1, 3])  # a float32 weight row's address decides MKL's summation order
+def test_the_built_kernel_rounds_every_row_as_one_row_on_this_machine(dtype, offset):
+    kernel = row_kernel.row_kernel(dtype)
+    storage = torch.randn(576 * 200 + offset, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight = storage[offset:].view(576, 200)
     if kernel is None or not row_kernel.rounds_as_one_row(weight):
-        pytest.skip(f"no row kernel for this CPU ({torch.backends.cpu.get_cpu_capability()}) or build")
+        pytest.skip(f"no {dtype} row kernel for this CPU ({torch.backends.cpu.get_cpu_capability()}) or build")
     generator = torch.Generator().manual_seed(4)
     for scale in (0.01, 1.0, 100.0):
-        x = (scale * torch.randn(17, 200, generator=generator)).to(torch.bfloat16)
+        x = (scale * torch.randn(17, 200, generator=generator)).to(dtype)
         assert torch.equal(kernel(x, weight), _one_row_products(x, weight)), scale
 
 

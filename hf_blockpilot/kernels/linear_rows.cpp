@@ -1,0 +1,264 @@
+// Several rows of a linear, each row rounded exactly as this machine's one-row CPU product rounds it, in one pass
+// over the weight (bfloat16: `bf16_rows`, float32: `f32_rows`).
+//
+// bfloat16. PyTorch computes a one-row bfloat16 product on CPUs without native bfloat16 matrix instructions as one
+// dot product per output, in float32 arithmetic (ATen's `dot_with_fp32_arith`): 8 vector accumulators of W float
+// lanes (W = the CPU capability's float vector width) take fused multiply-adds over blocks of 8 * W inputs, are
+// summed pairwise (register i += register i + 4, + 2, + 1), then across lanes by a butterfly (lane i += lane
+// i ^ W/2, ..., i ^ 1); a remainder of whole 2W-input vectors goes through one more accumulator, added the same
+// way; single leftover inputs are added one by one. The result is rounded to bfloat16 (nearest, ties to even).
+// Several rows through that kernel cost as many passes over the weight, each converting it to float32 again; here
+// each output's weight row is converted once and reused for every input row.
+//
+// float32. MKL's one-row float32 product on CPUs where it takes its SSE path (the AMD EPYCs seen: found by summing
+// +M, -M and ones, docs/exactness.md) is one dot product per output: the products (multiplied, rounded, then added:
+// no fused multiply-add) of the inputs before the weight row's next 16-byte boundary (1 to 4 of them: 4 when the row
+// is aligned) are summed one by one into lane 0 of 4 accumulator lanes; the following whole 4-input vectors are
+// added lane by lane; the lanes are summed as (0 + 2) + (1 + 3), and the leftover inputs added one by one. A
+// k-row product through MKL is a different (blocked) kernel that rounds otherwise, and k one-row products read the
+// weight k times; here each weight row is read once for every input row.
+//
+// Same operations in the same order: fmaf / separate multiplies and plain float additions, compiled with
+// -ffp-contract=off, so the results do not depend on how the compiler vectorizes. Whether this matches the
+// installed PyTorch on this CPU is probed bit for bit per weight before use (hf_blockpilot/row_kernel.py);
+// nothing assumes it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int kRegisters = 8;
+
+inline float butterfly(float* lanes, int width) {
+  for (int offset = width / 2; offset >= 1; offset /= 2) {
+    for (int i = 0; i < offset; ++i) lanes[i] = lanes[i] + lanes[i + offset];
+  }
+  return lanes[0];
+}
+
+// One output of one row: x and w already float32, `len` inputs, `width` lanes a vector.
+inline float dot(const float* x, const float* w, int64_t len, int width) {
+  float acc[kRegisters * 16];
+  const int block = kRegisters * width;
+  for (int l = 0; l < block; ++l) acc[l] = 0.0f;
+  const int64_t aligned = len & ~static_cast<int64_t>(block - 1);
+  for (int64_t j = 0; j < aligned; j += block) {
+    for (int l = 0; l < block; ++l) acc[l] = std::fmaf(x[j + l], w[j + l], acc[l]);
+  }
+  for (int offset = kRegisters / 2; offset >= 1; offset /= 2) {  // register i += register i + offset
+    for (int r = 0; r < offset; ++r) {
+      for (int e = 0; e < width; ++e) acc[r * width + e] = acc[r * width + e] + acc[(r + offset) * width + e];
+    }
+  }
+  float sum = butterfly(acc, width);
+  float tail[16];
+  for (int e = 0; e < width; ++e) tail[e] = 0.0f;
+  const int64_t aligned_vec = len & ~static_cast<int64_t>(2 * width - 1);
+  for (int64_t j = aligned; j < aligned_vec; j += 2 * width) {
+    for (int e = 0; e < width; ++e) tail[e] = std::fmaf(x[j + e], w[j + e], tail[e]);
+    for (int e = 0; e < width; ++e) tail[e] = std::fmaf(x[j + width + e], w[j + width + e], tail[e]);
+  }
+  sum = sum + butterfly(tail, width);
+  for (int64_t j = aligned_vec; j < len; ++j) sum = sum + x[j] * w[j];
+  return sum;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// `dot` for width 8, its main loop in AVX2 registers (the same fused multiply-adds, lane for lane).
+inline float dot8(const float* x, const float* w, int64_t len) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  const int64_t aligned = len & ~static_cast<int64_t>(kRegisters * 8 - 1);
+  for (int64_t j = 0; j < aligned; j += kRegisters * 8) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(w + j), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8), _mm256_loadu_ps(w + j + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 16), _mm256_loadu_ps(w + j + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 24), _mm256_loadu_ps(w + j + 24), a3);
+    a4 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 32), _mm256_loadu_ps(w + j + 32), a4);
+    a5 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 40), _mm256_loadu_ps(w + j + 40), a5);
+    a6 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 48), _mm256_loadu_ps(w + j + 48), a6);
+    a7 = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 56), _mm256_loadu_ps(w + j + 56), a7);
+  }
+  a0 = _mm256_add_ps(a0, a4), a1 = _mm256_add_ps(a1, a5), a2 = _mm256_add_ps(a2, a6), a3 = _mm256_add_ps(a3, a7);
+  a0 = _mm256_add_ps(a0, a2), a1 = _mm256_add_ps(a1, a3);
+  a0 = _mm256_add_ps(a0, a1);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, a0);
+  float sum = butterfly(lanes, 8);
+  float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t aligned_vec = len & ~static_cast<int64_t>(15);
+  for (int64_t j = aligned; j < aligned_vec; j += 16) {
+    for (int e = 0; e < 8; ++e) tail[e] = std::fmaf(x[j + e], w[j + e], tail[e]);
+    for (int e = 0; e < 8; ++e) tail[e] = std::fmaf(x[j + 8 + e], w[j + 8 + e], tail[e]);
+  }
+  sum = sum + butterfly(tail, 8);
+  for (int64_t j = aligned_vec; j < len; ++j) sum = sum + x[j] * w[j];
+  return sum;
+}
+#endif
+
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+}  // namespace
+
+// x: (rows, in) bfloat16, weight: (out, in) bfloat16, both contiguous; width: 8 (AVX2) or 16 (AVX-512).
+torch::Tensor bf16_rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t width) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (rows, in), (out, in)");
+  TORCH_CHECK(width == 8 || width == 16, "width 8 or 16");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1), out = wc.size(0);
+  auto xf = xc.to(at::kFloat);  // exact: every bfloat16 is a float32
+  auto result = torch::empty({rows, out}, x.options());
+  const float* xs = xf.data_ptr<float>();
+  const at::BFloat16* ws = wc.data_ptr<at::BFloat16>();
+  at::BFloat16* ys = result.data_ptr<at::BFloat16>();
+#ifdef _OPENMP
+  omp_set_num_threads(at::get_num_threads());  // this build's OpenMP runtime, held to torch's thread count
+#endif
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(in);
+    for (int64_t n = begin; n < end; ++n) {
+      const at::BFloat16* row = ws + n * in;
+      int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; k + 8 <= in; k += 8) {  // a bfloat16 is the top half of its float32
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+        _mm256_storeu_ps(w.data() + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
+      }
+#endif
+      for (; k < in; ++k) w[k] = to_float(row[k]);
+      for (int64_t r = 0; r < rows; ++r) {
+#if defined(__AVX2__) && defined(__FMA__)
+        const float value = width == 8 ? dot8(xs + r * in, w.data(), in) : dot(xs + r * in, w.data(), in, width);
+#else
+        const float value = dot(xs + r * in, w.data(), in, width);
+#endif
+        ys[r * out + n] = at::BFloat16(value);
+      }
+    }
+  });
+  return result;
+}
+
+namespace {
+
+constexpr int kLanes = 4;
+
+// How many inputs precede the 16-byte boundary that a weight row's vectors start at (1 to 4).
+inline int64_t peel_of(const float* w) {
+  return kLanes - static_cast<int64_t>((reinterpret_cast<std::uintptr_t>(w) / sizeof(float)) % kLanes);
+}
+
+// O outputs (weight rows w[0..O), same peel) for R input rows x[0..R) -> y[r * stride + o], each in MKL's order.
+template <int R, int O>
+inline void block(const float* const* x, const float* const* w, int64_t len, int64_t peel, float* y, int64_t stride) {
+  float head[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < peel && j < len; ++j) { const float p = w[o][j] * x[r][j]; s = s + p; }
+      head[r][o] = s;
+    }
+  const int64_t start = peel < len ? peel : len;
+  const int64_t tail = start + (len - start) / kLanes * kLanes;
+  float lanes[R][O][kLanes];
+#if defined(__SSE2__)
+  __m128 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm_setr_ps(head[r][o], 0.0f, 0.0f, 0.0f);
+  for (int64_t j = start; j < tail; j += kLanes) {
+    __m128 wv[O];
+    for (int o = 0; o < O; ++o) wv[o] = _mm_loadu_ps(w[o] + j);
+    for (int r = 0; r < R; ++r) {
+      const __m128 xv = _mm_loadu_ps(x[r] + j);
+      for (int o = 0; o < O; ++o) acc[r][o] = _mm_add_ps(acc[r][o], _mm_mul_ps(wv[o], xv));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) _mm_storeu_ps(lanes[r][o], acc[r][o]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) {
+      lanes[r][o][0] = head[r][o];
+      lanes[r][o][1] = lanes[r][o][2] = lanes[r][o][3] = 0.0f;
+      for (int64_t j = start; j < tail; j += kLanes)
+        for (int l = 0; l < kLanes; ++l) { const float p = w[o][j + l] * x[r][j + l]; lanes[r][o][l] = lanes[r][o][l] + p; }
+    }
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) {
+      const float* a = lanes[r][o];
+      float v = (a[0] + a[2]) + (a[1] + a[3]);
+      for (int64_t j = tail; j < len; ++j) { const float p = w[o][j] * x[r][j]; v = v + p; }
+      y[r * stride + o] = v;
+    }
+}
+
+// O outputs for every input row, four rows at a time (R * O independent accumulators keep the adders busy).
+template <int O>
+inline void outputs(const float* xs, int64_t rows, const float* const* w, int64_t in, int64_t peel, float* y, int64_t out) {
+  int64_t r = 0;
+  const float* x[4];
+  for (; r + 4 <= rows; r += 4) {
+    for (int q = 0; q < 4; ++q) x[q] = xs + (r + q) * in;
+    block<4, O>(x, w, in, peel, y + r * out, out);
+  }
+  for (int q = 0; r + q < rows; ++q) x[q] = xs + (r + q) * in;
+  switch (rows - r) {
+    case 3: block<3, O>(x, w, in, peel, y + r * out, out); break;
+    case 2: block<2, O>(x, w, in, peel, y + r * out, out); break;
+    case 1: block<1, O>(x, w, in, peel, y + r * out, out); break;
+    default: break;
+  }
+}
+}  // namespace
+
+// x: (rows, in) float32, weight: (out, in) float32, contiguous.
+torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (rows, in), (out, in)");
+  TORCH_CHECK(weight.is_contiguous(), "a contiguous weight");
+  auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1), out = weight.size(0);
+  auto result = torch::empty({rows, out}, x.options());
+  const float* xs = xc.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  float* ys = result.data_ptr<float>();
+#ifdef _OPENMP
+  omp_set_num_threads(at::get_num_threads());
+#endif
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + 2 <= end; n += 2) {
+      const float* w[2] = {ws + n * in, ws + (n + 1) * in};
+      const int64_t peel = peel_of(w[0]);
+      if (peel == peel_of(w[1])) {
+        outputs<2>(xs, rows, w, in, peel, ys + n, out);
+      } else {
+        outputs<1>(xs, rows, w, in, peel, ys + n, out);
+        outputs<1>(xs, rows, w + 1, in, peel_of(w[1]), ys + n + 1, out);
+      }
+    }
+    if (n < end) {
+      const float* w[1] = {ws + n * in};
+      outputs<1>(xs, rows, w, in, peel_of(w[0]), ys + n, out);
+    }
+  });
+  return result;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_rows", &bf16_rows);
+  m.def("f32_rows", &f32_rows);
+}
