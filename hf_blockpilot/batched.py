@@ -259,7 +259,7 @@ class _Row:
     first_real: int  # where the prompt's left padding ends
     keep: int = 0  # drafts verified this round
     lookup_drafts: list[int] = field(default_factory=list)
-    lookup_budget: LookupBudget | None = None  # decoding plain, yet prompt lookup's drafts verified where they pay
+    lookup_budget: LookupBudget | None = None  # how many of prompt lookup's drafts pay (against the drafter's round)
 
 
 @dataclass
@@ -441,8 +441,9 @@ class BatchedSpeculativeDecoder:
         self.plain = self.batch_plain or not self._may_draft_again()
         if self.plain:
             self.pending = []
-            row = self.rows[0]
-            if self.single and row.lookup is not None and row.controller.cost_model is not None:
+        # a drafting row weighs prompt lookup's drafts against its drafter's round; a single plain row, against steps
+        for row in (self.rows if self.single else []) if self.plain else self.rows:
+            if row.lookup is not None and row.controller.cost_model is not None:
                 row.lookup_budget = LookupBudget(row.controller.cost_model, self.temperature)
         for row in self.rows:
             row.stats.block_size = 1 if self.plain else (width if self.shared_width else row.controller.width())
@@ -503,8 +504,9 @@ class BatchedSpeculativeDecoder:
             kept_slots = host[0][0] + 1 if self.single else widest + 1
             kept = slots[None, :kept_slots] <= accepted[:, None]
             self._keep_context(outputs, kept, positions[:, :kept_slots])
-        if self.guard is not None and not self.plain:  # the batch's round, as the mean row's
-            self.guard.observe(sum(keeps) / len(keeps), sum(n for n, *_ in host) / len(host))
+        if self.guard is not None and not self.plain:  # the batch's round, as the mean row's, at its widest
+            width = max(row.stats.widths_per_round[-1] for row in self.rows)
+            self.guard.observe(sum(keeps) / len(keeps), sum(n for n, *_ in host) / len(host), width)
         # a row's rejected drafts and padding lie past its new length: the next round writes over them
         self.plan.advance(accepted + 1, [n + 1 for n, *_ in host])
         self.anchor = tokens.gather(1, accepted[:, None])[:, 0]
@@ -557,11 +559,15 @@ class BatchedSpeculativeDecoder:
             width = min((shared or row.controller.width()) if drafting else 1, room + 1)
             budgets.append(max(min(width - 1, room - 1), 0))
             widths.append(width if budgets[-1] > 0 else 1)
-            row.lookup_drafts = (
+            looked = (
                 row.lookup.continuation(row.ids[:, row.first_real :], budgets[-1])
                 if row.lookup is not None and budgets[-1] > 0
                 else []
             )
+            if looked and row.lookup_budget is not None:  # only as many as pay, and only if they beat the drafter
+                rival = self._drafter_rate(row, width)
+                looked = looked[: row.lookup_budget.drafts(len(looked), row.lookup.matched, rival)]
+            row.lookup_drafts = looked
         drafting = [w if not row.lookup_drafts else 1 for w, row in zip(widths, self.rows, strict=True)]
         if max(budgets) == 0:
             for row in self.rows:
@@ -586,6 +592,14 @@ class BatchedSpeculativeDecoder:
                 row.stats.lookup_rounds += 1
             keeps.append(row.keep)
         return drafts, draft_logits, keeps
+
+    def _drafter_rate(self, row: _Row, width: int) -> float | None:
+        """Tokens per ms the row's controller expects of a drafter round of `width` slots (its corrected τ under
+        its cost model), where it predicts τ; else `None`."""
+        curve = row.controller.tau_curve()
+        if not curve or width not in curve or row.controller.cost_model is None:
+            return None
+        return curve[width] / max(row.controller.cost_model.round_ms(width, self.temperature), 1e-9)
 
     def _looked_up(self) -> bool:
         """Whether the single row, decoding plain with prompt lookup on, verifies looked-up drafts this round:
@@ -813,9 +827,11 @@ class BatchedSpeculativeDecoder:
             row.stats.new_tokens = row.ids.shape[1] - self.input_ids.shape[1]
             row.stats.drafted_per_round.append(row.keep)
             row.stats.accepted_per_round.append(min(accepted[r], len(cut) - 1))
-            row.controller.observe(row.keep, accepted[r])
-            if row.lookup_budget is not None:
-                row.lookup_budget.observe(row.keep, accepted[r])
+            if row.lookup_drafts:  # a lookup round: what the drafter's controller expects is not in question
+                if row.lookup_budget is not None:
+                    row.lookup_budget.observe(row.keep, accepted[r])
+            else:
+                row.controller.observe(row.keep, accepted[r])
             if stop or timed_out or row.ids.shape[1] >= self.max_length:
                 done.append(r)
         if done:

@@ -358,14 +358,18 @@ class LookupBudget:
         self.most = max(len(rates) for rates in LOOKUP_ACCEPTANCE.values())
         self.matched = 0  # the match length of the round last decided
 
-    def drafts(self, available: int, matched: int) -> int:
-        """Of `available` drafts looked up after a `matched`-token n-gram (3 or more: alike), how many to verify."""
+    def drafts(self, available: int, matched: int, rival_rate: float | None = None) -> int:
+        """Of `available` drafts looked up after a `matched`-token n-gram (3 or more: alike), how many to verify;
+        0 also where `rival_rate` (the tokens per ms expected of the round the request would draft otherwise)
+        beats the best count's."""
         self.matched = min(matched, max(self.evidence))
         if available == 0 or self.matched not in self.evidence:
             return 0
         tau = self.evidence[self.matched].current()
         ms = self.cost_model.modeled_round_ms
-        return max(range(min(available, self.most) + 1), key=lambda k: tau[k + 1] / ms(1, k, self.temperature))
+        rates = [tau[k + 1] / max(ms(1, k, self.temperature), 1e-9) for k in range(min(available, self.most) + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        return 0 if rival_rate is not None and rates[best] < rival_rate else best
 
     def observe(self, verified: int, accepted: int) -> None:
         """The outcome of the round `drafts` last decided (nothing verified: nothing learned)."""
@@ -568,9 +572,9 @@ class SpeculationGuard(DelegatingController):
     drafts only if, were all its drafts rejected, the request's time so far (on the guard's clock, prefill excluded)
     would stay within `1 / (1 - max_slowdown)` of plain decoding's for the tokens committed so far plus one (each at
     a plain step's time); otherwise it is a plain step. A request thus starts with a few plain steps and drafts as
-    the budget they earn, and the rounds that pay, allow (docs/benchmarks.md, "A per-request slowdown bound"). A
-    batch's guard prices its shared rounds at its own controller's width (for a policy, the widest it may pick):
-    at least what the batch drafts.
+    the budget they earn, and the rounds that pay, allow (docs/benchmarks.md, "A per-request slowdown bound"). The
+    decoding loop tells the guard the width each round drafted (the widest of a batch's rows), and a round is
+    priced at it; without it, at the guard's own controller's width.
     """
 
     name = "guarded"
@@ -690,7 +694,11 @@ class SpeculationGuard(DelegatingController):
     def max_width(self) -> int:
         return 1 if self.plain_request else self.inner.max_width()
 
-    def observe(self, verified: float, accepted: float) -> None:
+    def observe(self, verified: float, accepted: float, width: int | None = None) -> None:
+        """The outcome of a round; `width`: the slots it drafted where the caller drafted another width than
+        `width()` gave (a batch's rows drafting their own controllers' widths), so it is priced at that width."""
+        if width is not None and self.last_width > 1:
+            self.last_width = width
         now = self.clock()
         elapsed, self.last_time = now - self.last_time, now
         modeled = 0.0

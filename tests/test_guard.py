@@ -119,6 +119,19 @@ def test_the_guard_judges_from_the_first_round_with_its_prior():
     assert drafter.last_stats.widths_per_round[1:7] == [6] * 6  # a probe window: six rounds before judging
 
 
+def test_a_round_is_priced_at_the_width_it_drafted():
+    cost = CostModel(target_ms={1: 10.0, 2: 11.0, 6: 12.0}, drafter_ms={2: 1.0, 6: 2.0})
+    seconds = {}
+    for width in (None, 2):
+        guard = guarded(cost, prior_rounds=0)
+        guard.begin(0.0, 6)
+        assert guard.width() == 6
+        guard.observe(1, 1, width)
+        seconds[width] = guard.modeled_seconds
+    assert seconds[None] == pytest.approx(cost.modeled_round_ms(6, 1, 0.0) / 1000)  # the guard's own width
+    assert seconds[2] == pytest.approx(cost.modeled_round_ms(2, 1, 0.0) / 1000)  # the width the round drafted
+
+
 def test_drafting_that_pays_never_pauses():
     target, _, prompt = pair()
     plain = greedy_generate(target, prompt, 40, None)

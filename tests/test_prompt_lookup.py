@@ -197,3 +197,12 @@ def test_the_lookup_budget_follows_the_costs_the_match_and_the_request_s_own_acc
     fresh = LookupBudget(zen3.cost_model, 0.0)
     assert zen3.evidence[2].acceptance == fresh.evidence[2].acceptance  # the evidence is kept per match length
     assert zen3.drafts(8, 3) == 0 and fresh.drafts(8, 3) == fresh.drafts(8, 4)  # 3 tokens or more: one class
+
+
+def test_looked_up_drafts_replace_a_drafter_round_only_where_they_beat_it():
+    budget = LookupBudget(CostModel(target_ms={1: 10.0, 2: 10.5, 9: 10.5}, drafter_ms={}), temperature=0.0)
+    best = budget.drafts(8, 4)
+    tau = budget.evidence[3].current()[best + 1]  # matches of 3 tokens or more: one class
+    rate = tau / budget.cost_model.modeled_round_ms(1, best, 0.0)  # tokens per ms of the best lookup round
+    assert budget.drafts(8, 4, rival_rate=0.9 * rate) == best  # a slower drafter round: the lookup round
+    assert budget.drafts(8, 4, rival_rate=1.1 * rate) == 0  # a faster one: the drafter drafts
