@@ -346,6 +346,8 @@ class BatchedSpeculativeDecoder:
             else (None, controller)
         )
         controllers = [per_row.for_request() for _ in range(input_ids.shape[0])]
+        if guard is not None and len(controllers) == 1:  # a single request is judged by its own controller's τ
+            guard.judge_by(controllers[0])
         batch_cost = controller.cost_model.for_batch(input_ids.shape[0])
         for each in controllers if guard is None else [guard, *controllers]:
             each.use_cost_model(batch_cost)

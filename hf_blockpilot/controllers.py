@@ -630,6 +630,7 @@ class SpeculationGuard(DelegatingController):
         self.last_width = 1
         self.last_time = 0.0
         self.spent = self.plain_equivalent = 0.0  # the request's seconds so far, and plain decoding's for its tokens
+        self.evidence_source: DraftController | None = None  # whose `tau_curve` judges the rounds (`judge_by`)
 
     def start(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float) -> None:
         super().start(prefill_outputs, lm_head, temperature)
@@ -669,7 +670,7 @@ class SpeculationGuard(DelegatingController):
         if self.inner.chooses_verify_count:
             rate = self.cost_model.tokens_per_ms(width, self.prior_acceptance, self.temperature)
         else:
-            curve = self.inner.tau_curve() or {}
+            curve = self._tau_curve() or {}
             tau = curve.get(width, geometric_tau(self.prior_acceptance, width))
             rate = tau / max(self.cost_model.round_ms(width, self.temperature), 1e-9)
         return rate * plain_ms > 1.0
@@ -736,10 +737,18 @@ class SpeculationGuard(DelegatingController):
         keeps evidence of the request's acceptance (`tau_curve`: a τ policy's prediction corrected by every round so
         far), its expected τ at the width drafted, per round; else the rounds' own counts, which a few unlucky
         rounds can sink."""
-        curve = self.inner.tau_curve()
+        curve = self._tau_curve()
         if curve is None or self.last_width not in curve:
             return self.committed
         return curve[self.last_width] * self.rounds
+
+    def judge_by(self, controller: DraftController) -> None:
+        """Judge rounds by `controller`'s evidence (`tau_curve`) rather than the guard's own inner copy's: a single
+        request's own controller, which the decoding loop starts and its rounds correct (`hf_blockpilot.batched`)."""
+        self.evidence_source = controller
+
+    def _tau_curve(self) -> dict[int, float] | None:
+        return (self.evidence_source or self.inner).tau_curve()
 
     def _time_plain_step(self, elapsed: float) -> None:
         if self.timing == "measured":

@@ -7,7 +7,7 @@ import torch
 from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
-from hf_blockpilot.controllers import AdaptiveVerify, DraftController, SpeculationGuard
+from hf_blockpilot.controllers import AdaptiveVerify, DraftController, SpeculationGuard, TauEvidence
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.modeling_block_diffusion import DraftContextCache
 
@@ -130,6 +130,24 @@ def test_a_round_is_priced_at_the_width_it_drafted():
         seconds[width] = guard.modeled_seconds
     assert seconds[None] == pytest.approx(cost.modeled_round_ms(6, 1, 0.0) / 1000)  # the guard's own width
     assert seconds[2] == pytest.approx(cost.modeled_round_ms(2, 1, 0.0) / 1000)  # the width the round drafted
+
+
+def test_a_single_request_is_judged_by_its_own_controller_s_evidence():
+    cost = CostModel(target_ms={1: 10.0, 2: 12.0, 6: 14.0}, drafter_ms={2: 1.5, 6: 2.0})  # drafting pays 1.24x
+    judged = DraftController(3)
+    judged.evidence = TauEvidence({1: 1.0, 2: 1.7, 3: 2.2}, prior_trials=4.0)  # as a τ policy's start leaves it
+    pauses = {}
+    for source in (None, judged):
+        guard = guarded(cost)
+        if source is not None:
+            guard.judge_by(source)
+        guard.begin(0.0, 3)
+        assert guard.width() > 1
+        guard.observe(2, 0, 3)  # an unlucky first round: both drafts rejected
+        judged.evidence.observe(2, 0)  # the loop tells the row's controller too
+        pauses[source is None] = guard.paused_for
+    # on its own counts the first round pauses drafting; on the request's corrected τ it does not
+    assert pauses == {True: guard.first_pause, False: 0}
 
 
 def test_drafting_that_pays_never_pauses():
