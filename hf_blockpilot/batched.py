@@ -444,7 +444,7 @@ class BatchedSpeculativeDecoder:
         if self.plain:
             self.pending = []
         # a drafting row weighs prompt lookup's drafts against its drafter's round; a single plain row, against steps
-        for row in (self.rows if self.single else []) if self.plain else self.rows:
+        for row in self.rows if not self.plain or self.single else []:
             if row.lookup is not None and row.controller.cost_model is not None:
                 row.lookup_budget = LookupBudget(row.controller.cost_model, self.temperature)
         for row in self.rows:

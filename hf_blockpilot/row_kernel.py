@@ -63,9 +63,8 @@ def build_directory() -> Path:
 @functools.cache
 def extension() -> Any | None:
     """The built `kernels/linear_rows.cpp` module (`bf16_rows(x, weight, lane_width)`, `f32_rows(x, weight)`), cached
-    per process; `None`
-    where it is switched off or cannot be built (no compiler or ninja, or another process's build did not end
-    within `BUILD_WAIT_S`: said once)."""
+    per process; `None` where it is switched off or cannot be built (no compiler or ninja, or another process's build
+    did not end within `BUILD_WAIT_S`: said once)."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
     from filelock import FileLock
@@ -121,7 +120,7 @@ def one_row_float32_in_sse_order() -> bool:
     return True
 
 
-def row_kernel(dtype: torch.dtype = torch.bfloat16) -> RowKernel | None:
+def row_kernel(dtype: torch.dtype) -> RowKernel | None:
     """`kernel(x (rows, in), weight (out, in))` -> (rows, out) in `dtype` (bfloat16, with this CPU's lane layout, or
     float32, where `one_row_float32_in_sse_order`); `None` for other dtypes, where neither holds, or where `extension`
     is not available."""

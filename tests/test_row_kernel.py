@@ -123,7 +123,7 @@ def test_the_kernel_is_switched_off_by_its_environment_variable(monkeypatch):
     row_kernel.extension.cache_clear()
     try:
         assert row_kernel.extension() is None
-        assert row_kernel.row_kernel() is None
+        assert row_kernel.row_kernel(torch.bfloat16) is None and row_kernel.row_kernel(torch.float32) is None
     finally:
         row_kernel.extension.cache_clear()
 
