@@ -36,8 +36,9 @@ class CostModel:
     tokens each (see `prefill_estimate_ms`). Sizes between measured ones are interpolated linearly; sizes past the
     largest measured one extend its last slope. `inexact_rows`: verify forwards over these token counts were probed
     not to give plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
-    `split_one_row`: a single request's one-token steps run faster with their one-row products split over the
-    threads (`exact_verify.split_linear`, bit-equal), timed so; `target_ms[1]` is the step the loop then takes.
+    `one_row_steps`: how a single request's one-token steps compute their one-row products, the fastest way the
+    calibration timed (`exact_verify.ONE_ROW_STEPS`, all bit-equal: `"stock"`, `"split"` over the threads, or
+    `"kernel"`, `row_kernel`); `target_ms[1]` is the step the loop then takes.
     At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
     `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
@@ -49,7 +50,7 @@ class CostModel:
     sampling_process_ms: float = 0.0
     sampling_draw_ms: float = 0.0
     inexact_rows: list[int] = field(default_factory=list)  # verifies over these token counts round unlike plain
-    split_one_row: bool = False  # one-token steps of one row faster with split one-row products (calibrated)
+    one_row_steps: str = "stock"  # how a single request's one-token steps compute one-row products (calibrated)
     batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
     batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
     prefill_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a context_tokens-a-row prefill
@@ -143,7 +144,7 @@ class CostModel:
     def from_dict(cls, raw: dict) -> CostModel:
         """Also reads files written before draws were timed apart: their `sampling_row_ms` (processing and a
         draw together) is charged per processed row, as it was then; and files from before the CPU verify kernels
-        went (their `kernel_rows` are ignored)."""
+        went (their `kernel_rows` are ignored) or before one-row steps took the row kernel (`split_one_row`)."""
         raw = dict(raw)
         raw["target_ms"] = {int(k): float(v) for k, v in raw["target_ms"].items()}
         raw["drafter_ms"] = {int(k): float(v) for k, v in raw["drafter_ms"].items()}
@@ -152,6 +153,8 @@ class CostModel:
         raw["prefill_ms"] = {int(b): float(ms) for b, ms in raw.get("prefill_ms", {}).items()}
         for axis in ("batch_target_ms", "batch_drafter_ms"):
             raw[axis] = {int(b): {int(k): float(v) for k, v in t.items()} for b, t in raw.get(axis, {}).items()}
+        if "split_one_row" in raw:
+            raw["one_row_steps"] = "split" if raw.pop("split_one_row") else "stock"
         if "sampling_row_ms" in raw:
             raw["sampling_process_ms"] = raw.pop("sampling_row_ms")
         if 1 not in raw["target_ms"]:

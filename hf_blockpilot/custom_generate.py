@@ -82,9 +82,9 @@ def generate(
             )
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
-    # compiled forwards take no exact path (warned); a view whose one-row products are split also takes the steps
-    split = controller.cost_model.split_one_row and rows == 1
-    view = model if compile else verify_view(model, rows, split)
+    # compiled forwards take no exact path (warned); a view whose one-row products are faster also takes the steps
+    one_row = controller.cost_model.one_row_steps if rows == 1 else "stock"
+    view = model if compile else verify_view(model, rows, one_row)
     decoder = BatchedSpeculativeDecoder(
         view,
         drafter,
@@ -95,7 +95,7 @@ def generate(
         stopping_criteria,
         stream,
         model_kwargs,
-        plain_target=view if split else model,
+        plain_target=model if one_row == "stock" else view,
         prompt_lookup=prompt_lookup,
         compiled=compiled,
         capacity=capacity,

@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import statistics
@@ -39,23 +38,24 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, decode_dtypes
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .exact_verify import remember_row_exact, row_exact_table, slot_key_lengths, verify_view
+from .exact_verify import ONE_ROW_STEPS, remember_row_exact, row_exact_table, slot_key_lengths, verify_view
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftContextCache, StaticDraftContextCache
 
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 10  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 11  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
-# (`exact_verify.batched_linear`), and one-row steps timed with split products (`CostModel.split_one_row`);
-# 10: float32 verifies through `row_kernel` where it probes exact
+# (`exact_verify.batched_linear`), and one-row steps timed with split products (then `split_one_row`);
+# 10: float32 verifies through `row_kernel` where it probes exact; 11: one-row steps timed on `row_kernel` too
+# (`CostModel.one_row_steps`)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
-#: A single request's one-token steps take split one-row products (`CostModel.split_one_row`) only where the
-#: calibration timed them below this fraction of the stock step: a tie is not worth a different path.
-SPLIT_STEP_GAIN = 0.97
+#: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`) only where
+#: the calibration timed them below this fraction of the stock step: a tie is not worth a different path.
+ONE_ROW_STEP_GAIN = 0.97
 #: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
 MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 CALIBRATE_ENV = "HF_BLOCKPILOT_CALIBRATE"
@@ -235,6 +235,8 @@ class Calibration:
             f"sampling: {cost.sampling_process_ms:.2f} ms to process a row of logits, "
             f"{cost.sampling_draw_ms:.2f} ms per draw"
         )
+        if cost.device == "cpu":  # where the other ways are timed
+            lines.append(f"one-token steps: {cost.one_row_steps} one-row products, the fastest of {ONE_ROW_STEPS}")
         return "\n".join(lines)
 
 
@@ -424,17 +426,20 @@ def calibrate(
     device = next(target.parameters()).device
     inexact = probe_exact_verify(target, widths)
     ms = _forward_ms(target, drafter, widths, context_tokens, repeats)
-    split = ms.get("split step", math.inf) < SPLIT_STEP_GAIN * ms[("target", 1)]
+    steps = {"stock": ONE_ROW_STEP_GAIN * ms[("target", 1)]} | {  # another way must beat the stock step by that
+        how: ms[f"{how} step"] for how in ONE_ROW_STEPS if f"{how} step" in ms
+    }
+    one_row = min(steps, key=steps.__getitem__)
     fingerprint = device_fingerprint(target, drafter)
     cost = CostModel(
-        target_ms={n: ms["split step" if split and n == 1 else ("target", n)] for n in widths},
+        target_ms={n: ms[f"{one_row} step" if one_row != "stock" and n == 1 else ("target", n)] for n in widths},
         drafter_ms={n: ms[("drafter", n)] for n in widths if n > 1},
         device=str(device),
         context_tokens=context_tokens,
         sampling_process_ms=ms["sampling_process"],
         sampling_draw_ms=ms["sampling_draw"],
         inexact_rows=inexact,
-        split_one_row=split,
+        one_row_steps=one_row,
         prefill_ms={1: ms["prefill"]},
         source=f"calibrated on {fingerprint['name']}, {fingerprint['dtype']}, {fingerprint['threads']} threads",
     )
@@ -474,8 +479,8 @@ def _forward_ms(
     """Median ms (`interleaved_median_ms`, with a progress bar) of what a calibration times, over `batch_size` rows
     after a cached context: target forwards over n tokens a row as `generate` verifies (`verify_view`), the
     drafter per width, and for one row the sampling work (one row processed, one draw); on CPU for one row
-    the one-token step with split one-row products too (`"split step"`); and, timed once, the prefill of that
-    context (`"prefill"`)."""
+    the one-token step with split and with kernel one-row products too (`"split step"`, `"kernel step"`); and,
+    timed once, the prefill of that context (`"prefill"`)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -510,8 +515,8 @@ def _forward_ms(
         fns.update(sampling_process=process_row, sampling_draw=draw)
     model = verify_view(target, batch_size)  # made once, outside the timings
     fns = {("target", n): verify(n, model) for n in widths} | fns
-    if batch_size == 1 and device.type == "cpu":  # the one-token step with split one-row products
-        fns["split step"] = verify(1, verify_view(target, 1, split_one_row=True))
+    if batch_size == 1 and device.type == "cpu":  # the one-token step with split / kernel one-row products
+        fns |= {f"{how} step": verify(1, verify_view(target, 1, how)) for how in ONE_ROW_STEPS if how != "stock"}
     batch = f"batch {batch_size} " if batch_size > 1 else ""
     with tqdm(
         total=(repeats + 1) * len(fns),
@@ -686,10 +691,10 @@ def steps_side_by_side(
     batch_size: int = 1,
     context_tokens: int = 256,
     repeats: int = 5,
-    split: Mapping[Any, bool] | None = None,
+    one_row: Mapping[Any, str] | None = None,
 ) -> dict[Any, float]:
     """Each target's one-token step (ms) over `batch_size` rows after a `context_tokens`-long cached context, as
-    a calibration times `target_ms[1]` (`split[key]`: with split one-row products), all of them timed interleaved
+    a calibration times `target_ms[1]` (`one_row[key]`: its one-row products so), all of them timed interleaved
     (`interleaved_median_ms`): their speeds at one moment of the host."""
     generator = torch.Generator().manual_seed(0)
     device = next(iter(targets.values())).device
@@ -710,7 +715,7 @@ def steps_side_by_side(
             target(context, **{cache_argument(target): prefix}, logits_to_keep=1)
             bar.update()
             token = torch.randint(0, vocab, (batch_size, 1), generator=generator).to(device)
-            view = verify_view(target, batch_size, split_one_row=bool(split and split.get(key)))
+            view = verify_view(target, batch_size, (one_row or {}).get(key, "stock"))
             fns[key] = _cached_forward(target, view, prefix, token, context_tokens)
         return interleaved_median_ms(fns, repeats, device, bar)
 
@@ -725,7 +730,7 @@ def host_factors(
     than one 20 min later). It is the one-token step timed now, every dtype side by side (`steps_side_by_side`, at
     the calibrations' context), over the step in its table; cached with the calibrations until a table changes."""
     tabled = {_dtype_name(dtype): cost.for_batch(batch_size).verify_ms(1) for dtype, cost in costs.items()}
-    split = {_dtype_name(dtype): cost.for_batch(batch_size).split_one_row for dtype, cost in costs.items()}
+    one_row = {_dtype_name(dtype): cost.for_batch(batch_size).one_row_steps for dtype, cost in costs.items()}
     keys = sorted(fingerprint_key(device_fingerprint(*pair)) for pair in pairs.values())
     path = (
         cache_root() / "calibration" / "side-by-side" / f"{fingerprint_key({'pairs': keys, 'batch': batch_size})}.json"
@@ -739,7 +744,7 @@ def host_factors(
         context_tokens = max(cost.context_tokens for cost in costs.values()) or 256
         logger.info("hf-blockpilot: timing the %s one-token steps side by side, once", "/".join(tabled))
         timed = steps_side_by_side(
-            {_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens, split=split
+            {_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens, one_row=one_row
         )
         steps = {dtype: timed[dtype] for dtype in tabled}
         write_json_atomically(path, {"tabled": tabled, "steps": steps})

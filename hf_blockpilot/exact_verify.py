@@ -298,26 +298,52 @@ def split_parts(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     return parts if _split_products_exact[key] else 1
 
 
-def _split_one_row_forward(
-    module: nn.Linear, parts: int, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+#: How a single request's one-token steps may compute their one-row products (`CostModel.one_row_steps`): each
+#: linear's own forward, split over the threads (`split_linear`), or `row_kernel`; each only where it probes bit-equal.
+ONE_ROW_STEPS = ("stock", "split", "kernel")
+
+
+def one_row_product(module: nn.Linear, how: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`module`'s one-row product computed `how` (one of `ONE_ROW_STEPS`), bit-equal to one-row `F.linear`: the
+    split where `split_parts` probes it so, the kernel where `rounds_as_one_row` does (bias-free weights); `None`
+    for "stock" and where the way does not probe bit-equal for this weight."""
+    if how not in ONE_ROW_STEPS:
+        raise ValueError(f"one-row steps are computed one of the ways {ONE_ROW_STEPS}, got {how!r}")
+    weight, bias = module.weight, module.bias
+    if how == "split":
+        parts = split_parts(weight, bias)
+        return None if parts == 1 else partial(_split_row, weight, bias, parts)
+    if how == "kernel" and bias is None and rounds_as_one_row(weight):
+        return partial(_kernel_row, row_kernel(weight.dtype), weight)
+    return None
+
+
+def _split_row(weight: torch.Tensor, bias: torch.Tensor | None, parts: int, x: torch.Tensor) -> torch.Tensor:
+    return split_linear(x, weight, bias, parts)
+
+
+def _kernel_row(kernel: RowKernel, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return kernel(x.reshape(1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
+
+
+def _one_row_forward(
+    one_row: Callable[[torch.Tensor], torch.Tensor], forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 ) -> torch.Tensor:
-    if x.numel() != x.shape[-1]:  # not one row: as before
-        return forward(x)
-    return split_linear(x, module.weight, module.bias, parts)
+    return one_row(x) if x.numel() == x.shape[-1] else forward(x)
 
 
-def use_row_exact_linears(model: nn.Module, step_rows: int, split_one_row: bool = False) -> None:
+def use_row_exact_linears(model: nn.Module, step_rows: int, one_row_steps: str = "stock") -> None:
     """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) compute a verify forward (within
     `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it. A bias-free linear whose
     products of `step_rows` rows round every row as one row (`row_exact_rows`) uses `row_kernel` where that probes
     bit-equal to its one-row products (`rounds_as_one_row`: one pass over the weight for all rows, each row rounded
     as one row). Otherwise, a weight that does not round every row alike up to `ROW_PROBE_LIMIT` rows computes it in
     chunks no larger than `row_exact_rows` where those steps fit in one such chunk (each row then rounds as it
-    rounds alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). `split_one_row`:
-    a one-row input, anywhere, is computed with `split_linear` where that probes bit-equal (`split_parts`), so a
-    single request's one-token steps give plain decoding's logits on more threads (whether that is faster is timed
-    at calibration: `CostModel.split_one_row`). A linear whose `forward` is overridden on the instance (an
-    accelerate offload hook) is left alone."""
+    rounds alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). `one_row_steps`
+    (not "stock"): a one-row input, anywhere, is computed that way where it probes bit-equal (`one_row_product`),
+    so a single request's one-token steps give plain decoding's logits faster (which way is timed at calibration:
+    `CostModel.one_row_steps`). A linear whose `forward` is overridden on the instance (an accelerate offload
+    hook) is left alone."""
     for module in model.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__:
             chunk = row_exact_rows(module.weight, module.bias)
@@ -325,9 +351,9 @@ def use_row_exact_linears(model: nn.Module, step_rows: int, split_one_row: bool 
                 module.forward = partial(_row_kernel_forward, module, row_kernel(module.weight.dtype))
             elif chunk < ROW_PROBE_LIMIT:
                 module.forward = partial(_row_exact_forward, module, chunk, step_rows)
-            parts = split_parts(module.weight, module.bias) if split_one_row else 1
-            if parts > 1:
-                module.forward = partial(_split_one_row_forward, module, parts, module.forward)
+            one_row = one_row_product(module, one_row_steps)
+            if one_row is not None:
+                module.forward = partial(_one_row_forward, one_row, module.forward)
 
 
 def call_view(model: nn.Module) -> nn.Module:
@@ -353,19 +379,19 @@ def call_view(model: nn.Module) -> nn.Module:
     return view_of(model)
 
 
-def verify_view(target: nn.Module, batch_size: int = 1, split_one_row: bool = False) -> nn.Module:
+def verify_view(target: nn.Module, batch_size: int = 1, one_row_steps: str = "stock") -> nn.Module:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
     same): on CPU (`needs_exact_verify`) a `call_view` of `target` on the exact path, `slotwise_exact_attention`
     with `use_row_exact_linears` for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`,
     so greedy output equals plain decoding bit for bit; elsewhere `target` itself, on the stock kernels. `target`
-    is never changed, so nothing needs undoing. `split_one_row` (a single request where the calibration timed it
-    faster, `CostModel.split_one_row`): the view's one-row products are split over the threads, bit-equal, and
-    its one-token steps are then the call's plain steps."""
+    is never changed, so nothing needs undoing. `one_row_steps` (a single request: the way the calibration timed
+    fastest, `CostModel.one_row_steps`): the view's one-row products are computed that way, bit-equal, and its
+    one-token steps are then the call's plain steps (batches keep "stock": their steps have several rows)."""
     if not needs_exact_verify(target):
         return target
     view = call_view(target)
     sdpa = isinstance(view, PreTrainedModel) and getattr(view.config, "_attn_implementation", None) == "sdpa"
     if sdpa and view._can_set_attn_implementation():  # its attention goes through `AttentionInterface`
         view.set_attn_implementation(SLOTWISE_EXACT_ATTENTION)
-    use_row_exact_linears(view, batch_size, split_one_row and batch_size == 1)
+    use_row_exact_linears(view, batch_size, one_row_steps if batch_size == 1 else "stock")
     return view

@@ -36,8 +36,9 @@ SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
 LANE_WIDTHS = {"AVX2": 8}
 #: Seconds a process waits for another process's build of the kernel before it goes on without the kernel.
 BUILD_WAIT_S = 900
-#: Rows of the probe's inputs: one-row products to compare against, at three input scales.
-PROBE_ROWS = (8, 8, 8, 32)
+#: Rows of the probe's inputs: one-row products to compare against, at three input scales (the kernel's blocks of 4
+#: rows, and each count of rows left over).
+PROBE_ROWS = (6, 7, 5, 32)
 
 RowKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _rounds_as_one_row: dict[tuple, bool] = {}

@@ -366,6 +366,8 @@ def test_fastest_width_prices_the_slowest_row():
     width, gain = fastest_width([sure, unsure], cost, 0.0)
     assert width == 4 and gain == pytest.approx(2.2 * 10.0 / 13.0)
     assert fastest_width([{1: 1.0}], cost, 0.0) == (1, 0.0)  # no drafting width: nothing to pick
+    assert fastest_width([sure], cost, 0.0, widest=6)[0] == 4  # none wider than `widest`
+    assert fastest_width([sure], cost, 0.0, widest=3)[0] == 4  # but the narrowest
 
 
 def test_a_policy_width_follows_the_requests_acceptance():
@@ -386,10 +388,12 @@ def test_a_policy_width_follows_the_requests_acceptance():
         shrinking.observe(shrinking.width() - 1, 0)
         widths.append(shrinking.width())
     assert widths[1] == 4 and widths[-1] == 2 and widths == sorted(widths, reverse=True), widths
-    growing = started(2)
+    growing, widths = started(2), []
     for _ in range(6):
         growing.observe(growing.width() - 1, growing.width() - 1)
+        widths.append(growing.width())
     assert growing.width() == 8 and growing.max_width() == 8
+    assert widths[:2] == [4, 8], widths  # at most WIDTH_GROWTH times wider a round, however sure the evidence
     fixed = started(8, correct_width=False)
     for _ in range(4):
         fixed.observe(7, 0)

@@ -65,34 +65,38 @@ def test_calibrate_times_every_width_and_sampling():
     assert CostModel.from_dict(cost.to_dict()).prefill_ms == cost.prefill_ms
     sampled = 7 * cost.sampling_process_ms + 4 * cost.sampling_draw_ms
     assert cost.round_ms(4, temperature=1.0) == pytest.approx(cost.round_ms(4) + sampled)
-    assert "plain steps" in calibration.table() and len(calibration.table().splitlines()) == 5
+    assert "plain steps" in calibration.table() and len(calibration.table().splitlines()) == 6
 
 
-@pytest.mark.parametrize("split_ms", [7.0, 9.9])
-def test_calibration_takes_split_one_row_steps_only_where_timed_faster(monkeypatch, split_ms):
-    """The one-token step is timed stock and with split one-row products; the split is taken (and its time is the
-    plain step's) only where it was timed below `SPLIT_STEP_GAIN` of the stock step; it survives the cache's
-    round trip."""
+@pytest.mark.parametrize(
+    ("split_ms", "kernel_ms", "taken"), [(7.0, 8.0, "split"), (9.9, 6.0, "kernel"), (9.9, 9.8, "stock")]
+)
+def test_calibration_takes_the_fastest_one_row_steps_only_where_timed_faster(monkeypatch, split_ms, kernel_ms, taken):
+    """The one-token step is timed stock, with split and with kernel one-row products; the fastest is taken (and
+    its time is the plain step's), a different path only where it was timed below `ONE_ROW_STEP_GAIN` of the
+    stock step; it survives the cache's round trip, and files that recorded `split_one_row` still read."""
     target, drafter = pair()
-    timed = {("target", 1): 10.0, ("target", 2): 12.0, ("drafter", 2): 1.0, "split step": split_ms}
-    timed |= {"sampling_process": 0.1, "sampling_draw": 0.2, "prefill": 30.0}
+    timed = {("target", 1): 10.0, ("target", 2): 12.0, ("drafter", 2): 1.0}
+    timed |= {"split step": split_ms, "kernel step": kernel_ms, "sampling_process": 0.1, "sampling_draw": 0.2}
 
     def forward_ms(target, drafter, widths, context_tokens, repeats, batch_size=1):
-        return dict(timed)
+        return timed | {"prefill": 30.0}
 
     monkeypatch.setattr(device_calibration, "_forward_ms", forward_ms)
     cost = calibrate(target, drafter, [1, 2], context_tokens=8, repeats=1).cost_model
-    split = split_ms < device_calibration.SPLIT_STEP_GAIN * 10.0
-    assert cost.split_one_row is split and cost.target_ms == {1: split_ms if split else 10.0, 2: 12.0}
-    assert CostModel.from_dict(cost.to_dict()).split_one_row is split
-    assert cost.for_batch(4).split_one_row is False  # a batch's steps are products of several rows
+    step = {"stock": 10.0, "split": split_ms, "kernel": kernel_ms}[taken]
+    assert cost.one_row_steps == taken and cost.target_ms == {1: step, 2: 12.0}
+    assert CostModel.from_dict(cost.to_dict()).one_row_steps == taken
+    assert cost.for_batch(4).one_row_steps == "stock"  # a batch's steps are products of several rows
+    old = {k: v for k, v in cost.to_dict().items() if k != "one_row_steps"}
+    assert CostModel.from_dict(old | {"split_one_row": True}).one_row_steps == "split"
 
 
-def test_calibration_times_a_real_split_step_on_cpu():
-    """On CPU the calibration's timings include the one-token step with split one-row products."""
+def test_calibration_times_real_split_and_kernel_steps_on_cpu():
+    """On CPU the calibration's timings include the one-token step with split and with kernel one-row products."""
     target, drafter = pair()
     ms = device_calibration._forward_ms(target, drafter, [1, 2], context_tokens=8, repeats=1)
-    assert ms["split step"] > 0
+    assert ms["split step"] > 0 and ms["kernel step"] > 0
 
 
 def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
@@ -372,9 +376,9 @@ def test_auto_dtype_compares_the_calibrations_at_one_host_speed(calibrating, mon
     now = {"float32": 10.0, "bfloat16": 9.0}  # the steps timed side by side
     timings = []
 
-    def side_by_side(targets, batch_size, context_tokens, split):
+    def side_by_side(targets, batch_size, context_tokens, one_row):
         timings.append((sorted(targets), batch_size, context_tokens))
-        assert split == {"float32": False, "bfloat16": False}  # the steps timed as the tables timed them
+        assert one_row == {"float32": "stock", "bfloat16": "stock"}  # the steps timed as the tables timed them
         return now
 
     monkeypatch.setattr(device_calibration, "steps_side_by_side", side_by_side)

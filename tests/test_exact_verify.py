@@ -207,7 +207,7 @@ def _recorded_batched_products(monkeypatch, calls: list, rounds_alike: bool, del
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("split_rounds_alike", [True, False])
 def test_one_row_products_are_split_only_where_that_rounds_as_one_row(monkeypatch, bias, split_rounds_alike):
-    """CPU-independent: with `split_one_row`, a one-row input is computed over slices of the weight's outputs in
+    """CPU-independent: with `one_row_steps="split"`, a one-row input is computed over slices of the weight's outputs in
     one batched call (`split_linear`) only where the probe finds it bit-equal to one-row `F.linear`; a simulated
     batched kernel that rounds one ulp up is caught (no split). Several rows, and views without the switch, keep
     the linear's own forward."""
@@ -227,7 +227,7 @@ def test_one_row_products_are_split_only_where_that_rounds_as_one_row(monkeypatc
             F.linear(x.expand(1, 3, 96), layer.weight, layer.bias),
         )
         parts = split_parts(layer.weight, layer.bias)
-        use_row_exact_linears(layer, step_rows=1, split_one_row=True)
+        use_row_exact_linears(layer, step_rows=1, one_row_steps="split")
         use_row_exact_linears(plain, step_rows=1)
         calls.clear()
         out, out_several, out_plain = layer(x), layer(x.expand(1, 3, 96)), plain(x)
@@ -236,11 +236,11 @@ def test_one_row_products_are_split_only_where_that_rounds_as_one_row(monkeypatc
     assert torch.equal(out, expected) and torch.equal(out_several, several) and torch.equal(out_plain, expected)
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_a_request_whose_steps_take_split_products_stays_plain_generates(monkeypatch, split):
-    """Where the calibration timed split one-row products faster (`CostModel.split_one_row`), a single request's
-    plain steps run on the call's view with them (negative control: else on the stock model), and greedy output
-    stays plain `generate`'s, whether it drafts or steps plain."""
+@pytest.mark.parametrize("one_row", ["split", "kernel", "stock"])
+def test_a_request_whose_steps_take_faster_products_stays_plain_generates(monkeypatch, one_row):
+    """Where the calibration timed split or kernel one-row products faster (`CostModel.one_row_steps`), a single
+    request's plain steps run on the call's view with them (negative control: else on the stock model), and greedy
+    output stays plain `generate`'s, whether it drafts or steps plain."""
     import hf_blockpilot.custom_generate as custom_generate_module
     from hf_blockpilot.controllers import SpeculationGuard
     from hf_blockpilot.costs import CostModel
@@ -262,14 +262,16 @@ def test_a_request_whose_steps_take_split_products_stays_plain_generates(monkeyp
         kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
         plain = target.generate(prompt, **kwargs)
         controller = SpeculationGuard(DraftController(4))
-        controller.use_cost_model(CostModel(target_ms={1: step_ms, 4: 12.0}, drafter_ms={4: 1.0}, split_one_row=split))
+        controller.use_cost_model(
+            CostModel(target_ms={1: step_ms, 4: 12.0}, drafter_ms={4: 1.0}, one_row_steps=one_row)
+        )
         on_stock.clear()
         out = target.generate(prompt, assistant_model=drafter, draft_controller=controller, **kwargs)
         assert torch.equal(out, plain), case
-        assert views[-1][2] is split
+        assert views[-1][2] == one_row
         if step_ms == 1.0:  # plain steps only
             assert drafter.last_stats.drafter_forwards == 0
-            assert any(on_stock[1:]) is not split  # after the prefill: the stock model, or with split the view
+            assert any(on_stock[1:]) is (one_row == "stock")  # after the prefill: the stock model, else the view
 
 
 def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypatch):

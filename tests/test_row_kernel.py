@@ -104,6 +104,31 @@ def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(sim
     assert calls == [10]
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_one_row_steps_take_the_kernel_only_where_it_probes_exact(simulated_kernel, exact):
+    """CPU-independent: with `one_row_steps="kernel"`, a one-row input of a bias-free linear, outside verify
+    forwards too (a plain step), goes through the kernel where it probes bit-equal, and nowhere else (a simulated
+    kernel one ulp off is refused: the stock product); several rows and a linear with a bias keep their forwards."""
+    calls = []
+
+    def counted(x, weight):
+        calls.append(x.shape[0])
+        return (_one_row_products if exact else _one_ulp_off)(x, weight)
+
+    simulated_kernel(counted)
+    model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 16)).to(torch.bfloat16)
+    one, several = torch.randn(1, 1, 32).to(torch.bfloat16), torch.randn(1, 3, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = model(one), model(several)
+        use_row_exact_linears(model, step_rows=1, one_row_steps="kernel")
+        calls.clear()
+        out = model(one), model(several)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+    assert calls == ([1] if exact else [])
+    with pytest.raises(ValueError, match="one of the ways"):
+        use_row_exact_linears(model, step_rows=1, one_row_steps="fast")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("offset", [0, 1, 3])  # a float32 weight row's address decides MKL's summation order
 def test_the_built_kernel_rounds_every_row_as_one_row_on_this_machine(dtype, offset):
