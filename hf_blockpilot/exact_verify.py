@@ -182,7 +182,12 @@ def _row_kernel_forward(module: nn.Linear, kernel: RowKernel, x: torch.Tensor) -
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if rows <= 1 or _slot_key_lengths.get() is None:  # a verify forward's only, as above
         return F.linear(x, module.weight)
-    return kernel(x.reshape(rows, x.shape[-1]), module.weight).reshape(*x.shape[:-1], -1)
+    return _kernel_product(kernel, module.weight, x)
+
+
+def _kernel_product(kernel: RowKernel, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`kernel` over every row of `x` (..., in), shaped as `F.linear` shapes its output."""
+    return kernel(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
 
 
 def _as_plain_steps(module: nn.Linear, step_rows: int, x: torch.Tensor) -> torch.Tensor:
@@ -312,18 +317,10 @@ def one_row_product(module: nn.Linear, how: str) -> Callable[[torch.Tensor], tor
     weight, bias = module.weight, module.bias
     if how == "split":
         parts = split_parts(weight, bias)
-        return None if parts == 1 else partial(_split_row, weight, bias, parts)
+        return None if parts == 1 else partial(split_linear, weight=weight, bias=bias, parts=parts)
     if how == "kernel" and bias is None and rounds_as_one_row(weight):
-        return partial(_kernel_row, row_kernel(weight.dtype), weight)
+        return partial(_kernel_product, row_kernel(weight.dtype), weight)
     return None
-
-
-def _split_row(weight: torch.Tensor, bias: torch.Tensor | None, parts: int, x: torch.Tensor) -> torch.Tensor:
-    return split_linear(x, weight, bias, parts)
-
-
-def _kernel_row(kernel: RowKernel, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return kernel(x.reshape(1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
 
 
 def _one_row_forward(
