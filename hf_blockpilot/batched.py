@@ -409,6 +409,7 @@ class BatchedSpeculativeDecoder:
         )
         self.context_valid = self.prompt_mask.new_zeros(len(self.rows), 0, dtype=torch.bool)
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, valid, positions)
+        self.shared_drafted: int | None = None  # the shared width the batch drafted last (`_batch_width`)
         drafter.last_stats = self.call_stats
 
     # ------------------------------------------------------------------------------------------- the loop
@@ -471,11 +472,12 @@ class BatchedSpeculativeDecoder:
     def _batch_width(self) -> tuple[int, float | None]:
         """The width the batch drafts next, and its predicted speedup over plain batched steps: where every row's
         controller predicts τ per width (`tau_curve`), the one `fastest_width` for the slowest row at the batch's
-        size; else each row drafts its own width, and the widest is returned with no prediction (`None`)."""
+        size, growing from the width drafted last as a single request's does; else each row drafts its own width,
+        and the widest is returned with no prediction (`None`)."""
         if not self.shared_width:
             return max(row.controller.width() for row in self.rows), None
         curves = [row.controller.tau_curve() for row in self.rows]
-        return fastest_width(curves, self.rows[0].controller.cost_model, self.temperature)
+        return fastest_width(curves, self.rows[0].controller.cost_model, self.temperature, self.shared_drafted)
 
     def _drafting_margin(self) -> float:
         """The predicted gain the rows' policies need before drafting: the largest `TauEvidence.margin`."""
@@ -556,6 +558,7 @@ class BatchedSpeculativeDecoder:
         drafting = self.guard is None or self.guard.width() > 1  # the guard may pause the whole batch
         drafting = drafting and not self.batch_plain
         shared = self._batch_width()[0] if drafting and self.shared_width else None
+        self.shared_drafted = shared or self.shared_drafted
         for row in self.rows:
             room = self.max_length - row.ids.shape[1]
             width = min((shared or row.controller.width()) if drafting else 1, room + 1)

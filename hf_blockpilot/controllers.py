@@ -177,14 +177,14 @@ class DraftController:
     def observe(self, verified: int, accepted: int) -> None:
         """The outcome of a round: drafts verified and accepted. A request with `evidence` (a τ policy chose its
         width) takes it in; where `correct_width`, a drafting request's width becomes the fastest under the
-        corrected τ and this device's costs, at most `WIDTH_GROWTH` times the last (plain steps stay the guard's
-        call)."""
+        corrected τ and this device's costs, growing from the last as `fastest_width` allows (plain steps stay the
+        guard's call)."""
         if self.evidence is None:
             return
         self.evidence.observe(verified, accepted)
         if self.correct_width and self.block_size > 1 and self.cost_model is not None:
-            widest = WIDTH_GROWTH * self.block_size
-            self.block_size = fastest_width([self.evidence.current()], self.cost_model, self.temperature, widest)[0]
+            curve = self.evidence.current()
+            self.block_size = fastest_width([curve], self.cost_model, self.temperature, self.block_size)[0]
 
     def describe(self) -> str:
         return f"{self.name}(b={self.block_size})"
@@ -385,15 +385,17 @@ class LookupBudget:
 
 
 def fastest_width(
-    curves: Sequence[dict[int, float]], cost_model: CostModel, temperature: float, widest: int | None = None
+    curves: Sequence[dict[int, float]], cost_model: CostModel, temperature: float, grown_from: int | None = None
 ) -> tuple[int, float]:
-    """The drafting width (>= 2, among the widths every curve predicts, none wider than `widest` but the
-    narrowest) at which the slowest of `curves` (one per row of a batch; one for a single request) commits the
-    most tokens per ms of a round, every draft verified, under `cost_model`; and its predicted speedup over plain
-    steps. A batch runs until its slowest row is done, so a round's worth is the least τ among its rows."""
+    """The drafting width (>= 2, among the widths every curve predicts) at which the slowest of `curves` (one per
+    row of a batch; one for a single request) commits the most tokens per ms of a round, every draft verified, under
+    `cost_model`; and its predicted speedup over plain steps. A batch runs until its slowest row is done, so a
+    round's worth is the least τ among its rows. `grown_from` (the width drafted last): none wider than
+    `WIDTH_GROWTH` times it, but the next candidate wider than it, so evidence widens a block a step at a time."""
     widths = sorted(set.intersection(*(set(c) for c in curves)) - {1})
-    if widest is not None:
-        widths = [w for w in widths if w <= widest] or widths[:1]
+    if grown_from is not None:
+        next_wider = min((w for w in widths if w > grown_from), default=None)
+        widths = [w for w in widths if w <= WIDTH_GROWTH * grown_from or w == next_wider]
     plain_ms = cost_model.round_ms(1, temperature)
     best, best_gain = 1, 0.0
     for width in widths:

@@ -23,6 +23,7 @@ from hf_blockpilot import (
     PolicyBlockSize,
     SpeculationGuard,
 )
+from hf_blockpilot.controllers import TauEvidence, fastest_width, geometric_tau
 from hf_blockpilot.stats import BatchSpeculationStats, SpeculationStats
 from hf_blockpilot.tools.baselines import AcceptanceEMA, EntropyStop, HeuristicSchedule
 
@@ -395,6 +396,44 @@ def test_a_tau_policy_batch_drafts_one_width_at_a_time():
     rounds = list(zip(*(row.widths_per_round[1:12] for row in rows), strict=False))
     assert all(len(set(widths)) == 1 for widths in rounds), rounds
     assert rounds[0][0] == 8 and rounds[-1][0] < 8  # this random drafter's rejections narrow the batch's width
+
+
+class _GeometricTauPolicy:
+    """A τ policy predicting τ(b) of a per-slot acceptance `accept` (geometric) for every prompt."""
+
+    candidates = [1, 2, 4, 8]
+    weighs_costs = True
+
+    def __init__(self, accept: float):
+        self.predicted = {b: geometric_tau(accept, b) for b in self.candidates}
+
+    def choose_block_size(self, prefill_outputs, lm_head, temperature, cost_model=None):
+        return 2, dict(self.predicted)
+
+    def check_compatible(self, target, drafter=None):
+        pass
+
+
+def test_a_batch_shared_width_grows_at_most_width_growth_a_round():
+    """A batch's shared width follows its rows' corrected τ but widens a step at a time, as a single request's: here
+    one fully accepted round at b = 2 makes b = 8 the fastest under the costs, yet the next round drafts b = 4."""
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=8)
+    steps = {1: 30.0, 2: 31.0, 4: 34.0, 8: 36.0}  # a batch of 2 rounds as one row here
+    cost = CostModel(target_ms=steps, drafter_ms={2: 1.0, 8: 1.2}, batch_target_ms={2: steps})
+    evidence = TauEvidence(_GeometricTauPolicy(0.3).predicted)
+    assert fastest_width([evidence.current()], cost, 0.0)[0] == 2
+    evidence.observe(1, 1)
+    assert fastest_width([evidence.current()], cost, 0.0)[0] == 8  # uncapped, one round would jump to 8
+    ids, mask = left_padded([[5, 9, 11, 3, 7], [4, 8, 6, 10, 12]])
+    expected = generate(target, ids, mask, 24)
+    drafter = BatchScriptedDrafter.from_target(target, block_size=8).eval()
+    drafter.rig(target, [real_tokens(expected[i], mask[i], None) for i in range(2)], error_rate=0.0)
+    controller = PolicyBlockSize(_GeometricTauPolicy(0.3))
+    controller.use_cost_model(cost)
+    got = generate(target, ids, mask, 24, assistant_model=drafter, draft_controller=controller)
+    assert torch.equal(got, expected)
+    widths = [w for w in drafter.last_stats.rows[0].widths_per_round[1:] if w > 1]
+    assert widths[:3] == [2, 4, 8], widths
 
 
 def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):

@@ -366,8 +366,11 @@ def test_fastest_width_prices_the_slowest_row():
     width, gain = fastest_width([sure, unsure], cost, 0.0)
     assert width == 4 and gain == pytest.approx(2.2 * 10.0 / 13.0)
     assert fastest_width([{1: 1.0}], cost, 0.0) == (1, 0.0)  # no drafting width: nothing to pick
-    assert fastest_width([sure], cost, 0.0, widest=6)[0] == 4  # none wider than `widest`
-    assert fastest_width([sure], cost, 0.0, widest=3)[0] == 4  # but the narrowest
+    assert fastest_width([sure], cost, 0.0, grown_from=3)[0] == 4  # none wider than WIDTH_GROWTH times the last
+    assert fastest_width([sure], cost, 0.0, grown_from=4)[0] == 8
+    sparse = _cost({1: 10.0, 2: 11.0, 16: 16.0}, drafter_ms=1.0)
+    # but the next wider candidate, however far: sparse candidates still widen, a step at a time
+    assert fastest_width([{1: 1.0, 2: 1.9, 16: 15.0}], sparse, 0.0, grown_from=2)[0] == 16
 
 
 def test_a_policy_width_follows_the_requests_acceptance():
