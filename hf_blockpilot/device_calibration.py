@@ -38,7 +38,14 @@ from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, decode_dtypes
 from .costs import PRIOR_ACCEPTANCE, CostModel
-from .exact_verify import ONE_ROW_STEPS, remember_row_exact, row_exact_table, slot_key_lengths, verify_view
+from .exact_verify import (
+    ONE_ROW_STEPS,
+    remember_row_exact,
+    row_exact_table,
+    slot_key_lengths,
+    takes_one_row_products,
+    verify_view,
+)
 from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftContextCache, StaticDraftContextCache
 
 logger = logging.getLogger(__name__)
@@ -479,7 +486,8 @@ def _forward_ms(
     """Median ms (`interleaved_median_ms`, with a progress bar) of what a calibration times, over `batch_size` rows
     after a cached context: target forwards over n tokens a row as `generate` verifies (`verify_view`), the
     drafter per width, and for one row the sampling work (one row processed, one draw); on CPU for one row
-    the one-token step with split and with kernel one-row products too (`"split step"`, `"kernel step"`); and,
+    the one-token step with split and with kernel one-row products too (`"split step"`, `"kernel step"`, each
+    where some linear takes it: `takes_one_row_products`); and,
     timed once, the prefill of that context (`"prefill"`)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
@@ -516,7 +524,8 @@ def _forward_ms(
     model = verify_view(target, batch_size)  # made once, outside the timings
     fns = {("target", n): verify(n, model) for n in widths} | fns
     if batch_size == 1 and device.type == "cpu":  # the one-token step with split / kernel one-row products
-        fns |= {f"{how} step": verify(1, verify_view(target, 1, how)) for how in ONE_ROW_STEPS if how != "stock"}
+        ways = [how for how in ONE_ROW_STEPS if how != "stock" and takes_one_row_products(target, how)]
+        fns |= {f"{how} step": verify(1, verify_view(target, 1, how)) for how in ways}
     batch = f"batch {batch_size} " if batch_size > 1 else ""
     with tqdm(
         total=(repeats + 1) * len(fns),

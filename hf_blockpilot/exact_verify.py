@@ -323,6 +323,12 @@ def one_row_product(module: nn.Linear, how: str) -> Callable[[torch.Tensor], tor
     return None
 
 
+def takes_one_row_products(model: nn.Module, how: str) -> bool:
+    """Whether some plain `nn.Linear` of `model` computes its one-row products `how` (`one_row_product`): a way
+    none takes changes no step, so the calibration need not time it."""
+    return any(type(m) is nn.Linear and one_row_product(m, how) is not None for m in model.modules())
+
+
 def _one_row_forward(
     one_row: Callable[[torch.Tensor], torch.Tensor], forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 ) -> torch.Tensor:

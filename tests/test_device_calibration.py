@@ -92,11 +92,17 @@ def test_calibration_takes_the_fastest_one_row_steps_only_where_timed_faster(mon
     assert CostModel.from_dict(old | {"split_one_row": True}).one_row_steps == "split"
 
 
-def test_calibration_times_real_split_and_kernel_steps_on_cpu():
-    """On CPU the calibration's timings include the one-token step with split and with kernel one-row products."""
+def test_calibration_times_the_split_and_kernel_steps_some_linear_takes(monkeypatch):
+    """On CPU the calibration's timings include the one-token step with split and with kernel one-row products,
+    each only where some linear computes its one-row products that way (else the step is the stock one)."""
     target, drafter = pair()
+    ways = {how for how in ("split", "kernel") if exact_verify.takes_one_row_products(target, how)}
     ms = device_calibration._forward_ms(target, drafter, [1, 2], context_tokens=8, repeats=1)
-    assert ms["split step"] > 0 and ms["kernel step"] > 0
+    assert {key.removesuffix(" step") for key in ms if str(key).endswith(" step")} == ways
+    assert all(ms[f"{how} step"] > 0 for how in ways)
+    monkeypatch.setattr(exact_verify, "one_row_product", lambda module, how: None)  # no linear takes either way
+    ms = device_calibration._forward_ms(target, drafter, [1, 2], context_tokens=8, repeats=1)
+    assert not any(str(key).endswith(" step") for key in ms)
 
 
 def test_first_use_measures_and_caches_later_uses_read_it(calibrating):
