@@ -152,7 +152,7 @@ class DraftController:
         self.block_size = max(chosen, 1)
         if getattr(policy, "weighs_costs", False):
             margin = policy.drafting_margin() if hasattr(policy, "drafting_margin") else MIN_PREDICTED_GAIN
-            self.evidence = TauEvidence(self.policy_probs, self.prior_trials, margin)
+            self.evidence = TauEvidence(self.policy_probs, self.prior_trials, margin, self.prior_trials)
         self.policy_seconds = time.perf_counter() - begin
 
     def tau_curve(self) -> dict[int, float] | None:
@@ -306,12 +306,16 @@ class TauEvidence:
     The prediction (a τ policy's, made consistent) is read as a per-slot acceptance `prior_acceptance` (the
     geometric fit, `geometric_tau`) worth `prior_trials` slot trials; every verified slot is a trial (accepted
     drafts succeed, the first rejected one fails). `current()` scales each predicted τ(b) by how the posterior mean
-    acceptance changes the geometric τ(b), so before any round it is the prediction itself. `margin`: the
-    policy's `drafting_margin`."""
+    acceptance changes the geometric τ(b), so before any round it is the prediction itself. With `shape_trials`,
+    the prediction's shape (its τ(b) over the geometric fit's) weighs that many slot trials against the request's
+    own: as they accumulate, τ(b) tends to the geometric τ(b) at the observed acceptance, so a policy that
+    over-predicts wide blocks against narrow ones stops steering the request wide (None: the shape is kept, as
+    for measured lookup rates). `margin`: the policy's `drafting_margin`."""
 
     predicted: dict[int, float]
     prior_trials: float = 2.0
     margin: float = MIN_PREDICTED_GAIN  # the predicted gain over plain steps the policy needs before drafting
+    shape_trials: float | None = None
     prior_acceptance: float = field(init=False)
     successes: float = field(init=False)
     failures: float = field(init=False)
@@ -334,8 +338,12 @@ class TauEvidence:
     def current(self) -> dict[int, float]:
         """τ(b) per candidate, corrected by the rounds observed so far (1 <= τ(b) <= b)."""
         now = self.acceptance
+        shape = 1.0  # the power the prediction's shape keeps
+        if self.shape_trials is not None:
+            observed = self.successes + self.failures - self.prior_trials
+            shape = self.shape_trials / (self.shape_trials + observed)
         return {
-            b: min(max(t * geometric_tau(now, b) / geometric_tau(self.prior_acceptance, b), 1.0), float(b))
+            b: min(max(geometric_tau(now, b) * (t / geometric_tau(self.prior_acceptance, b)) ** shape, 1.0), float(b))
             for b, t in self.predicted.items()
         }
 

@@ -358,6 +358,24 @@ def test_tau_evidence_starts_at_the_prediction_and_follows_the_rounds():
     assert rejected.current() == low
 
 
+def test_tau_evidence_shape_gives_way_to_the_requests_own_acceptance():
+    """A policy that over-predicts wide blocks against narrow ones (the shape of τ(b), not only its level) keeps
+    steering a request wide if only the level is corrected; weighed as `shape_trials`, its shape gives way, τ(b)
+    tends to the geometric τ(b) at the observed acceptance, and the narrow width the rounds favour is taken."""
+    wide = {1: 1.0, 2: 1.6, 4: 2.5, 8: 2.7}  # τ(4) - 1 is 2.5x τ(2) - 1: flatter per-slot acceptance than observed
+    cost = _cost({1: 10.0, 2: 13.0, 4: 16.0, 8: 21.0}, drafter_ms=0.0)
+    kept, fading = TauEvidence(dict(wide)), TauEvidence(dict(wide), shape_trials=2.0)
+    assert fading.current() == pytest.approx(wide)  # no round yet: the prediction itself
+    for accepted in [1, 0, 0, 2, 1, 0, 0, 1, 0, 3, 0, 1] * 3:  # rounds of b = 4: about 0.45 per slot
+        kept.observe(3, accepted)
+        fading.observe(3, accepted)
+    assert fading.acceptance == kept.acceptance
+    geometric = {b: geometric_tau(fading.acceptance, b) for b in wide}
+    assert fading.current() == pytest.approx(geometric, rel=0.05)
+    assert fastest_width([kept.current()], cost, 0.0)[0] == 4  # the level corrected, the shape still says wide
+    assert fastest_width([fading.current()], cost, 0.0)[0] == 2
+
+
 def test_fastest_width_prices_the_slowest_row():
     """A batch round's worth is its slowest row's τ: the mean of these rows favours b = 8, the slowest b = 4."""
     cost = _cost({1: 10.0, 4: 12.0, 8: 16.0}, drafter_ms=1.0)
