@@ -152,7 +152,7 @@ class DraftController:
         self.block_size = max(chosen, 1)
         if getattr(policy, "weighs_costs", False):
             margin = policy.drafting_margin() if hasattr(policy, "drafting_margin") else MIN_PREDICTED_GAIN
-            self.evidence = TauEvidence(self.policy_probs, self.prior_trials, margin, self.prior_trials)
+            self.evidence = TauEvidence(self.policy_probs, self.prior_trials, margin, shape_trials=self.prior_trials)
         self.policy_seconds = time.perf_counter() - begin
 
     def tau_curve(self) -> dict[int, float] | None:

@@ -324,9 +324,15 @@ def one_row_product(module: nn.Linear, how: str) -> Callable[[torch.Tensor], tor
 
 
 def takes_one_row_products(model: nn.Module, how: str) -> bool:
-    """Whether some plain `nn.Linear` of `model` computes its one-row products `how` (`one_row_product`): a way
-    none takes changes no step, so the calibration need not time it."""
-    return any(type(m) is nn.Linear and one_row_product(m, how) is not None for m in model.modules())
+    """Whether some linear the exact path serves (`_exact_path_linears`) computes its one-row products `how`
+    (`one_row_product`): a way none takes changes no step, so the calibration need not time it."""
+    return any(one_row_product(module, how) is not None for module in _exact_path_linears(model))
+
+
+def _exact_path_linears(model: nn.Module) -> Iterator[nn.Linear]:
+    """The plain `nn.Linear`s of `model` the exact path may route (`use_row_exact_linears`): not one whose `forward`
+    is overridden on the instance (an accelerate offload hook)."""
+    return (m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__)
 
 
 def _one_row_forward(
@@ -347,16 +353,15 @@ def use_row_exact_linears(model: nn.Module, step_rows: int, one_row_steps: str =
     so a single request's one-token steps give plain decoding's logits faster (which way is timed at calibration:
     `CostModel.one_row_steps`). A linear whose `forward` is overridden on the instance (an accelerate offload
     hook) is left alone."""
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
-            chunk = row_exact_rows(module.weight, module.bias)
-            if step_rows <= chunk and module.bias is None and rounds_as_one_row(module.weight):
-                module.forward = partial(_row_kernel_forward, module, row_kernel(module.weight.dtype))
-            elif chunk < ROW_PROBE_LIMIT:
-                module.forward = partial(_row_exact_forward, module, chunk, step_rows)
-            one_row = one_row_product(module, one_row_steps)
-            if one_row is not None:
-                module.forward = partial(_one_row_forward, one_row, module.forward)
+    for module in _exact_path_linears(model):
+        chunk = row_exact_rows(module.weight, module.bias)
+        if step_rows <= chunk and module.bias is None and rounds_as_one_row(module.weight):
+            module.forward = partial(_row_kernel_forward, module, row_kernel(module.weight.dtype))
+        elif chunk < ROW_PROBE_LIMIT:
+            module.forward = partial(_row_exact_forward, module, chunk, step_rows)
+        one_row = one_row_product(module, one_row_steps)
+        if one_row is not None:
+            module.forward = partial(_one_row_forward, one_row, module.forward)
 
 
 def call_view(model: nn.Module) -> nn.Module:
