@@ -1,6 +1,6 @@
 """Where a call of ours that decodes plain spends its time, against plain `generate`, call by call.
 
-    python scripts/plain_path_steps.py --calls 9 --max-new-tokens 64
+    python scripts/plain_path_steps.py --calls 9 --max-new-tokens 64 [--dtype bfloat16]
 
 The embedded pair (policy attached, prompt lookup on: the main job's settings, `--dtype auto`) answers one prompt
 through our loop and through plain `generate`, the two alternating call by call (the order reversed every other
@@ -29,9 +29,18 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=9, help="calls a side")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--dtype", default="auto", help="as `generate --dtype`")
     args = parser.parse_args()
     cli = build_parser().parse_args(
-        ["generate", args.prompt, "--prompt-lookup", "--max-new-tokens", str(args.max_new_tokens)]
+        [
+            "generate",
+            args.prompt,
+            "--prompt-lookup",
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--dtype",
+            args.dtype,
+        ]
     )
     target, tokenizer, drafter = load_models(cli, prompts=[args.prompt])
     controller = build_controller(cli.controller, drafter, cli.block_size)
