@@ -144,8 +144,9 @@ def hidden_states_to_keep(
 class RaggedLayer(DynamicLayer):
     """A target cache layer whose rows have their own lengths: `update` writes each row's new keys/values at the
     offsets its `RaggedCache` planned (right after the row's committed ones) and returns the first `end` slots;
-    one unpadded row's are appended to its committed ones, as plain decoding's `DynamicLayer` appends (one
-    `torch.cat`, cheaper at these lengths than writing into spare room and slicing it)."""
+    where every row holds as many keys (one row; a batch in lockstep) they are appended to the committed ones, as
+    plain decoding's `DynamicLayer` appends (one `torch.cat`, cheaper at these lengths than writing into spare room
+    by index and slicing it)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, plan: RaggedCache):
         super().__init__()
@@ -157,7 +158,7 @@ class RaggedLayer(DynamicLayer):
         if self.plan.static:  # fixed shapes (a compiled forward): no host ints read, the whole storage returned
             self._write_at_index(key_states, value_states)
             return self.keys, self.values
-        if self.plan.single:  # one row: appended as plain decoding's cache appends (rejected slots cut first)
+        if self.plan.appends:  # rows alike long: appended as plain decoding's cache appends (rejected slots cut)
             keys, values, committed = self.keys, self.values, self.plan.host_lengths[0]
             if keys.shape[-2] != committed:
                 keys, values = keys[..., :committed, :], values[..., :committed, :]
@@ -203,6 +204,7 @@ class RaggedCache:
         self.lengths = torch.full((prompt_mask.shape[0],), prompt_mask.shape[1], device=prompt_mask.device)
         self.host_lengths = [prompt_mask.shape[1]] * prompt_mask.shape[0]
         self.end = prompt_mask.shape[1]
+        self.appends = False  # whether the planned forward's layers append (`prepare`)
         self.write_index = self.lengths[:, None]
         self.row_index = torch.arange(prompt_mask.shape[0], device=prompt_mask.device)[:, None]
 
@@ -224,7 +226,10 @@ class RaggedCache:
         one unpadded row the (1, end) mask of ones plain decoding passes (so its attention takes the path plain
         decoding's does: a 4-D mask sends SDPA down another kernel, which rounds half precision differently)."""
         self.end = max(self.host_lengths) + slots
-        if self.single and not self.static:  # its layers append (`RaggedLayer.update`): no write index
+        # rows that hold as many keys as each other (one row; a batch decoding in lockstep) append, as plain
+        # decoding's layers do: one `torch.cat`, cheaper than writing into spare room by index and slicing it
+        self.appends = not self.static and len(set(self.host_lengths)) == 1
+        if self.single and self.appends:  # no write index
             return self.lengths.new_ones(1, self.end)
         offsets = torch.arange(slots, device=self.lengths.device)
         self.write_index = self.lengths[:, None] + offsets[None, :]

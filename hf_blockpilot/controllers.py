@@ -46,10 +46,10 @@ class BlockSizePolicy(Protocol):
 
 def policy_state_indices(policy: BlockSizePolicy) -> set[int] | None:
     """The prefill `hidden_states` entries a policy reads: those of its `feature_layers` (layer id i is entry
-    i + 1) and the final, normed state (-1) its next-token distribution comes from; `None` (all) if it does not
-    say which layers."""
+    i + 1; its next-token distribution comes from the prefill's logits); `None` (all) if it does not say which
+    layers."""
     layers = getattr(policy, "feature_layers", None)
-    return None if layers is None else {i + 1 for i in layers} | {-1}
+    return None if layers is None else {i + 1 for i in layers}
 
 
 @dataclass

@@ -76,6 +76,17 @@ def checked_feature_layers(target: nn.Module, feature_layers: Sequence[int] | No
     return list(feature_layers)
 
 
+def last_logits(outputs: Any, lm_head: nn.Module) -> torch.Tensor:
+    """(1, V) the raw next-token logits after the prompt: the prefill outputs' own (`logits`), or for outputs that
+    carry only hidden states, recomputed by `lm_head` (the target's output embeddings) from the final one (after
+    the final norm). Reading the prefill's saves a vocabulary-wide product per request."""
+    logits = getattr(outputs, "logits", None)
+    if logits is not None:
+        return logits[:, -1]
+    last = outputs.hidden_states[-1][:, -1]
+    return lm_head(last.to(lm_head.weight.dtype))
+
+
 def prefill_features(
     outputs: Any, feature_layers: list[int], lm_head: nn.Module, temperature: float = 0.0
 ) -> torch.Tensor:
@@ -85,23 +96,20 @@ def prefill_features(
     then entropy, top-1 probability and top-2 margin of the last token's next-token distribution, log prompt
     length, and the sampling temperature (0 = greedy). Runs on the outputs' device; no host synchronisation.
 
-    The distribution comes from the target's *raw* logits, recomputed by `lm_head` (the target's output
-    embeddings) from the final hidden state (`hidden_states[-1]`, after the final norm): with sampling,
-    `generate` overwrites `outputs.logits` with its processed logits (temperature, top-k/top-p) for fp32 targets
-    but not for bf16 ones, so reading them would make the features depend on the dtype; the temperature is
-    given to the policy as a feature of its own instead.
+    The distribution comes from the target's *raw* logits (`last_logits`): the decoding loop hands the policy
+    the prefill's own, before any logits processor (temperature, top-k/top-p) sees them, so the features do not
+    depend on the sampling settings; the temperature is given to the policy as a feature of its own instead.
     """
     hidden_states = outputs.hidden_states
     parts = []
     for i in feature_layers:
         hidden = hidden_states[i + 1][0].float()
         parts += [hidden[-1], hidden.mean(dim=0)]
-    last = hidden_states[-1][:, -1]
-    logits = lm_head(last.to(lm_head.weight.dtype))[0].float()
+    logits = last_logits(outputs, lm_head)[0].float()
     log_probs = torch.log_softmax(logits, dim=-1)
     probs = log_probs.exp()
     top2 = probs.topk(2).values
-    length = math.log(hidden_states[-1].shape[1])
+    length = math.log(hidden_states[feature_layers[0] + 1].shape[1])
     entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum()  # 0 * log 0 = 0
     request = torch.tensor([length, temperature], device=logits.device)
     stats = torch.cat([torch.stack([entropy, top2[0], top2[0] - top2[1]]), request])
@@ -549,10 +557,8 @@ class LastLogitsMLPPolicy(BlockPilotPolicy):
         self.to(self.parameter_dtype)
 
     def features(self, prefill_outputs: Any, lm_head: nn.Module, temperature: float = 0.0) -> torch.Tensor:
-        """(1, V) the target's raw next-token logits after the prompt, recomputed from the final hidden state (see
-        `prefill_features` for why not `outputs.logits`)."""
-        last = prefill_outputs.hidden_states[-1][:, -1]
-        return lm_head(last.to(lm_head.weight.dtype)).float()
+        """(1, V) the target's raw next-token logits after the prompt (`last_logits`)."""
+        return last_logits(prefill_outputs, lm_head).float()
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Outputs per candidate for (batch, V) last-token logits."""

@@ -696,3 +696,31 @@ def test_a_pre_cached_batch_or_a_non_finite_temperature_is_a_clear_error():
             pad_token_id=0,
             assistant_model=drafter,
         )
+
+
+def test_rows_alike_long_append_as_plain_decoding_and_ragged_rows_write_at_their_own_length():
+    """A batch whose rows hold as many keys as each other (its plain rounds) appends as plain decoding's cache
+    does; once rows commit different counts, each row's next slots are written right after its own keys."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    prompt_keys = torch.randn(2, 1, 3, 4)
+    cache.update(prompt_keys, prompt_keys.clone(), 0)
+    prompt = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    plan = batched_module.RaggedCache.convert(cache, prompt, padded=True, single=False)
+    layer = cache.layers[0]
+    mask = plan.prepare(3)
+    assert plan.appends and mask.shape == (2, 1, 3, 6)
+    block = torch.randn(2, 1, 3, 4)
+    keys, _ = layer.update(block, block.clone())
+    assert torch.equal(keys, torch.cat([prompt_keys, block], dim=-2))  # one append, as `DynamicLayer` does
+    plan.advance(torch.tensor([1, 3]), [1, 3])  # row 0 keeps one slot, row 1 all three
+    mask = plan.prepare(2)
+    assert not plan.appends
+    assert mask[0, 0, 0].tolist() == [False, True, True, True, True, False, False, False]
+    new = torch.randn(2, 1, 2, 4)
+    keys, _ = layer.update(new, new.clone())
+    assert keys.shape[-2] == 8
+    assert torch.equal(keys[0, :, :4], torch.cat([prompt_keys[0], block[0, :, :1]], dim=-2))
+    assert torch.equal(keys[0, :, 4:6], new[0]) and torch.equal(keys[1, :, 6:8], new[1])
+    assert torch.equal(keys[1, :, :6], torch.cat([prompt_keys[1], block[1]], dim=-2))

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -166,11 +167,27 @@ def test_features_come_from_the_prefill_outputs(target):
     assert features.shape == (1, 2 * 2 * HIDDEN + NUM_SCALAR_FEATURES)
     torch.testing.assert_close(features[0, :HIDDEN], out.hidden_states[2][0, -1])
     torch.testing.assert_close(features[0, HIDDEN : 2 * HIDDEN], out.hidden_states[2][0].mean(0))
-    probs = out.logits[0, -1].softmax(-1)  # recomputed from the final hidden state, equal to the forward's logits
+    probs = out.logits[0, -1].softmax(-1)  # the prefill's own last logits
     entropy = -(probs * probs.log()).sum()
     top2 = probs.topk(2).values
     torch.testing.assert_close(features[0, -5:-2], torch.stack([entropy, top2[0], top2[0] - top2[1]]))
     torch.testing.assert_close(features[0, -2:], torch.tensor([math.log(9), 0.7]))
+    # outputs that carry only hidden states: the logits recomputed from the final one give the same features
+    states_only = SimpleNamespace(hidden_states=out.hidden_states)
+    head = target.get_output_embeddings()
+    torch.testing.assert_close(prefill_features(states_only, [1, 3], head, temperature=0.7), features)
+
+
+def test_the_policy_reads_the_prefill_logits_without_a_product_of_its_own(target):
+    """The features' distribution is the prefill's: the output embeddings run once per target forward, never
+    again for the policy."""
+    drafter = make_drafter(target, block_size=4)
+    drafter.set_policy(make_policy(target, drafter))
+    calls = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    _greedy(target, _prompt(3), assistant_model=drafter)
+    hook.remove()
+    assert len(calls) == drafter.last_stats.target_forwards
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -346,7 +363,7 @@ def test_the_target_holds_only_the_hidden_states_the_drafter_and_policy_read(tar
     if not SELECTION_KEEPS_POSITIONS:
         assert keep is True
         return
-    assert keep == sorted({i + 1 for i in drafter.target_layer_ids} | {2, 4} | {-1})  # policy layers 1, 3 + final
+    assert keep == sorted({i + 1 for i in drafter.target_layer_ids} | {2, 4})  # and the policy's layers 1, 3
     with torch.no_grad():
         full, kept = target(ids, output_hidden_states=True), target(ids, output_hidden_states=keep)
     assert sum(h is not None for h in kept.hidden_states) < len(full.hidden_states)
@@ -405,8 +422,8 @@ def test_checkpoints_of_the_one_class_version_load_by_architecture_and_behave_as
         ValueError, match=f"holds a {policy_class.__name__} \\({architecture}\\), not a {other.__name__}"
     ):
         other.from_pretrained(FIXTURES / architecture)
-    # the target keeps only the hidden states it reads (the last-logits one: just the final, normed state)
-    assert policy_state_indices(policy) == ({2, 4, -1} if architecture == "prefill-mlp" else {-1})
+    # the target keeps only the hidden states it reads (the last-logits one: none, it reads the prefill's logits)
+    assert policy_state_indices(policy) == ({2, 4} if architecture == "prefill-mlp" else set())
     # the served controller is what it was: the prefill one's labels were cut by AdaptiveVerify
     assert policy.serving_controller == ("adaptive" if architecture == "prefill-mlp" else "fixed")
 
