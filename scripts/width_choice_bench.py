@@ -73,7 +73,8 @@ def replay(args, target, tokenizer, drafter, widths: list[int]) -> dict:
 
 
 def prefills(args, target, tokenizer, policies) -> dict:
-    """{prompt id: the prefill outputs the policies read} (other hidden states dropped)."""
+    """{prompt id: the prefill outputs the policies read: the last logits and their hidden states (others
+    dropped)}."""
     reads = [policy_state_indices(policy) for policy in policies]
     keep = None if None in reads else sorted({i for r in reads for i in r})
     out = {}
@@ -85,7 +86,8 @@ def prefills(args, target, tokenizer, policies) -> dict:
             n = len(states.hidden_states)
             wanted = {i % n for i in keep} if keep is not None else set(range(n))
             out[record.id] = SimpleNamespace(
-                hidden_states=[h if i in wanted else None for i, h in enumerate(states.hidden_states)]
+                hidden_states=[h if i in wanted else None for i, h in enumerate(states.hidden_states)],
+                logits=states.logits[:, -1:],
             )
     return out
 

@@ -724,3 +724,12 @@ def test_rows_alike_long_append_as_plain_decoding_and_ragged_rows_write_at_their
     assert torch.equal(keys[0, :, :4], torch.cat([prompt_keys[0], block[0, :, :1]], dim=-2))
     assert torch.equal(keys[0, :, 4:6], new[0]) and torch.equal(keys[1, :, 6:8], new[1])
     assert torch.equal(keys[1, :, :6], torch.cat([prompt_keys[1], block[1]], dim=-2))
+    plan.advance(torch.tensor([2, 0]), [2, 0])  # alike long again (6 keys each): the next forward appends
+    plan.prepare(1)
+    assert plan.appends
+    last = torch.randn(2, 1, 1, 4)
+    keys, _ = layer.update(last, last.clone())
+    assert keys.shape[-2] == 7 and torch.equal(keys[:, :, 6:], last)
+    assert torch.equal(keys[0, :, 4:6], new[0]) and torch.equal(
+        keys[1, :, :6], torch.cat([prompt_keys[1], block[1]], -2)
+    )
