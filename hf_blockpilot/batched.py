@@ -228,7 +228,7 @@ class RaggedCache:
         self.end = max(self.host_lengths) + slots
         # rows that hold as many keys as each other (one row; a batch decoding in lockstep) append, as plain
         # decoding's layers do: one `torch.cat`, cheaper than writing into spare room by index and slicing it
-        self.appends = not self.static and len(set(self.host_lengths)) == 1
+        self.appends = not self.static and self.alike_long
         if self.single and self.appends:  # no write index
             return self.lengths.new_ones(1, self.end)
         offsets = torch.arange(slots, device=self.lengths.device)
@@ -238,6 +238,11 @@ class RaggedCache:
         prompt = self.key_valid.shape[1]
         mask[:, :, :prompt] &= self.key_valid[:, None, :]
         return mask[:, None]
+
+    @property
+    def alike_long(self) -> bool:
+        """Whether every row holds as many keys as the others."""
+        return len(set(self.host_lengths)) == 1
 
     def advance(self, committed: torch.Tensor | int, host_committed: list[int]) -> None:
         """Each row keeps its first `committed` slots of the last forward."""
@@ -764,7 +769,7 @@ class BatchedSpeculativeDecoder:
         """Whether every row is still in the batch and holds as many keys as the others: a one-token step is then
         exactly plain batched decoding's (after a row leaves, the view pads products, `_as_plain_steps`)."""
         plan = self.plan
-        return plan is not None and len(self.rows) == self.stats.batch_size and len(set(plan.host_lengths)) == 1
+        return plan is not None and len(self.rows) == self.stats.batch_size and plan.alike_long
 
     def _process(self, logits: torch.Tensor, block: torch.Tensor | None = None) -> torch.Tensor:
         """The logits processors on (rows, slots, V) logits: at once where they read only the scores, else row by
