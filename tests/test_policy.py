@@ -190,6 +190,29 @@ def test_the_policy_reads_the_prefill_logits_without_a_product_of_its_own(target
     assert len(calls) == drafter.last_stats.target_forwards
 
 
+def test_each_row_of_a_padded_batch_gives_the_policy_its_own_prefill(target):
+    """Row by row, the policy sees what a call of that prompt alone shows it (its last real token's logits and
+    its states without the left padding), to float tolerance (a batch's products round otherwise)."""
+    drafter = make_drafter(target, block_size=4)
+    policy = make_policy(target, drafter)
+    seen = []
+    policy.forward = lambda features: seen.append(features.clone()) or torch.zeros(features.shape[0], 3)
+    drafter.set_policy(policy)
+    prompts = [_prompt(4, length=9)[0], _prompt(5, length=6)[0]]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        ids[r, 9 - len(prompt) :], mask[r, 9 - len(prompt) :] = prompt, 1
+    target.generate(
+        ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, assistant_model=drafter
+    )
+    head = target.get_output_embeddings()
+    for features, prompt in zip(seen, prompts, strict=True):
+        with torch.no_grad():
+            alone = prefill_features(target(prompt[None], output_hidden_states=True), [1, 3], head)
+        torch.testing.assert_close(features, alone, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_features_do_not_depend_on_sampling_settings_or_dtype(dtype):
     """`generate` overwrites the prefill logits with its processed ones (temperature, top-k) for fp32 targets
