@@ -226,8 +226,7 @@ class RaggedCache:
         one unpadded row the (1, end) mask of ones plain decoding passes (so its attention takes the path plain
         decoding's does: a 4-D mask sends SDPA down another kernel, which rounds half precision differently)."""
         self.end = max(self.host_lengths) + slots
-        # rows that hold as many keys as each other (one row; a batch decoding in lockstep) append, as plain
-        # decoding's layers do: one `torch.cat`, cheaper than writing into spare room by index and slicing it
+        # rows that hold as many keys as each other (one row; a batch decoding in lockstep) append (`RaggedLayer`)
         self.appends = not self.static and self.alike_long
         if self.single and self.appends:  # no write index
             return self.lengths.new_ones(1, self.end)
