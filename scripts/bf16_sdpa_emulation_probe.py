@@ -9,10 +9,12 @@ q·kᵀ summed in the order `scripts/sdpa_pv_order_probe.py --qk` reads (dimensi
 chain, then (0 + 2) + (1 + 3)); times the scale and the running maximum (16-lane vectors, then the remainder);
 exp via ATen's `fexp_u20` (the vector part; `std::exp` for the remainder) with the lane sum `vec_reduce_all`; the
 weights rounded to bfloat16; p·v in the order `sdpa_pv_order_probe.py` reads (aligned groups of 4 keys as
-(t0 + t2) + (t1 + t3), group sums chained, the keys split into two halves added last when PyTorch runs on 2
-threads); times 1 / sum; rounded to bfloat16. Compared with `F.scaled_dot_product_attention` (9 query heads over 3
-key/value heads, head dim 64, `enable_gqa`): random inputs at several key counts, and adversarial ones (q = 0,
-values +2^24, -2^24 and 1) that expose the p·v order, each with the halves split and without.
+(t0 + t2) + (t1 + t3), group sums chained, the 1-3 keys left over added last key first; on 2 threads the keys
+split into halves, the first ceil(L / 2) keys and the rest, each summed so, the halves added last); times
+1 / sum; rounded to bfloat16. Compared with
+`F.scaled_dot_product_attention` (9 query heads over 3 key/value heads, head dim 64, `enable_gqa`): random
+inputs at several key counts, and adversarial ones (q = 0, values +2^24, -2^24 and 1) that expose the p·v order,
+each with the halves split and without.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ torch::Tensor one_query(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
   float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
   for (; i < L; ++i) { float t = std::exp(s[i] - top); sum += t; p[i] = bf(at::BFloat16(t)); }
   const float reciprocal = 1.f / sum;
-  const int64_t split = halves ? L / 2 : L;
+  const int64_t split = halves ? (L + 1) / 2 : L;
   auto out = torch::empty({D}, torch::kBFloat16);
   auto* O = out.data_ptr<at::BFloat16>();
   for (int64_t d = 0; d < D; ++d) {
@@ -84,7 +86,7 @@ torch::Tensor one_query(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
         const float t2 = p[j + 2] * bf(V[(j + 2) * D + d]), t3 = p[j + 3] * bf(V[(j + 3) * D + d]);
         acc = acc + ((t0 + t2) + (t1 + t3));
       }
-      for (; j < end; ++j) acc = acc + p[j] * bf(V[j * D + d]);
+      for (int64_t x = end - 1; x >= j; --x) acc = acc + p[x] * bf(V[x * D + d]);  // the 1-3 left: last first
       total = part == 0 ? acc : total + acc;
     }
     O[d] = at::BFloat16(total * reciprocal);
@@ -94,6 +96,7 @@ torch::Tensor one_query(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
 """
 
 KEYS = (16, 32, 64, 100, 101, 256, 301, 511)
+ADVERSARIAL_KEYS = (16, 22, 30, 34, 98, 100, 101, 102, 103, 105)
 B = 2.0**24
 
 
@@ -153,7 +156,7 @@ def main() -> None:
             counts["one chain"] += mismatches(ext, q, k, v, False)
         report["random"][keys] = counts
         print(f"random, {keys} keys: mismatching outputs {counts}")
-    for keys in (16, 100):
+    for keys in ADVERSARIAL_KEYS:
         counts = {"outputs": 0, "halves": 0, "one chain": 0}
         for start in range(0, keys * keys, 64):
             v = torch.zeros(keys, 64)
