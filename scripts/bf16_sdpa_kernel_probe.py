@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.cpp_extension import load_inline
+from bf16_sdpa_emulation_probe import adversarial_values, build  # this script's directory: run it as scripts/...
 
 from hf_blockpilot.device_calibration import cpu_description
 
@@ -156,20 +156,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
 
 
 KEYS = (16, 32, 100, 101, 256, 301, 511)
-B = 2.0**24
-
-
-def build():
-    directory = Path.home() / ".cache" / "hf_blockpilot" / "sdpa_kernel_probe"
-    directory.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    return load_inline(
-        "hf_blockpilot_sdpa_kernel_probe",
-        cpp_sources=SOURCE,
-        functions=["attention"],
-        build_directory=str(directory),
-        extra_cflags=flags,
-    )
 
 
 def median_us(call, calls: int = 300) -> float:
@@ -186,15 +172,9 @@ def median_us(call, calls: int = 300) -> float:
 
 def adversarial_mismatches(ext, keys: int, halves: bool) -> int:
     wrong = 0
-    for start in range(0, keys * keys, 64):
-        v = torch.zeros(keys, 64)
-        for d, placement in enumerate(range(start, min(start + 64, keys * keys))):
-            plus, minus = divmod(placement, keys)
-            if plus != minus:
-                v[plus, d], v[minus, d], v[(plus + 1 + (plus + 1 == minus)) % keys, d] = B, -B, 1.0
-        q, k = torch.zeros(1, 1, 1, 64).bfloat16(), torch.zeros(1, 1, keys, 64).bfloat16()
-        values = v.bfloat16()[None, None].contiguous()
-        wrong += int((ext.attention(q, k, values, 0.125, halves) != F.scaled_dot_product_attention(q, k, values)).sum())
+    for values in adversarial_values(keys):
+        q, k, v = torch.zeros(1, 1, 1, 64).bfloat16(), torch.zeros(1, 1, keys, 64).bfloat16(), values[None, None]
+        wrong += int((ext.attention(q, k, v, 0.125, halves) != F.scaled_dot_product_attention(q, k, v)).sum())
     return wrong
 
 
@@ -205,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     halves = args.threads == 2
-    ext = build()
+    ext = build("sdpa_kernel_probe", SOURCE, ("attention",))
     generator = torch.Generator().manual_seed(0)
     report = {"machine": cpu_description(), "threads": args.threads, "torch": torch.__version__, "keys": {}}
     for keys in KEYS:
