@@ -320,10 +320,11 @@ class ReturnedSteps:
 
 class BatchedSpeculativeDecoder:
     """Runs one call (see the module docstring) with its prepared `controller` (`prepare_controller`), after checking
-    that the loop serves the call (`check_batched_call`); `plain_target`: the stock model where `target` is the call's
-    exact-path view; `prompt_lookup`: default `drafter.prompt_lookup`; `compiled`: the target's compiled call, for the
-    forwards after the prefill, over a static cache of `capacity` slots; `compiled_drafter`: the drafter's, for its
-    block forwards over a static context cache as large. `run()` returns the padded sequences."""
+    that the loop serves the call (`check_batched_call`); `plain_target`: what runs plain decoding's one-token steps
+    (the stock model, or for a single row the call's exact-path view, whose steps give the stock bits faster);
+    `prompt_lookup`: default `drafter.prompt_lookup`; `compiled`: the target's compiled call, for the forwards after
+    the prefill, over a static cache of `capacity` slots; `compiled_drafter`: the drafter's, for its block forwards
+    over a static context cache as large. `run()` returns the padded sequences."""
 
     def __init__(
         self,
@@ -741,9 +742,8 @@ class BatchedSpeculativeDecoder:
     ) -> Any:
         """One target forward; `keep_states`: return the hidden states the drafter reads (the call's own request
         for them is always served). Plain steps that return no hidden states or attentions, of a single row or of a
-        batch in lockstep (`_in_lockstep`), are plain decoding's own forwards, so `plain_target` (the stock model,
-        not the call's exact-path view) runs them; the rest run the view, where the hooks Transformers attaches to
-        capture outputs stay; or `compiled`."""
+        batch in lockstep (`_in_lockstep`), are plain decoding's own forwards, so `plain_target` runs them; the rest
+        run the view, where the hooks Transformers attaches to capture outputs stay; or `compiled`."""
         wanted = keep_states or self.config.output_hidden_states or compiled is not None  # compiled: one graph a shape
         states = self.hidden_states_to_keep if wanted else False
         attentions = {"output_attentions": True} if self.config.output_attentions else {}

@@ -82,7 +82,8 @@ def generate(
             )
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
-    # compiled forwards take no exact path (warned); a view whose one-row products are faster also takes the steps
+    # compiled forwards take no exact path (warned); a single row's one-token steps run on the view too, where its
+    # one-row products and one-query attention are computed as plain decoding's, faster where calibrated or probed so
     one_row = controller.cost_model.one_row_steps if rows == 1 else "stock"
     view = model if compile else verify_view(model, rows, one_row)
     decoder = BatchedSpeculativeDecoder(
@@ -95,7 +96,7 @@ def generate(
         stopping_criteria,
         stream,
         model_kwargs,
-        plain_target=model if one_row == "stock" else view,
+        plain_target=view if rows == 1 else model,
         prompt_lookup=prompt_lookup,
         compiled=compiled,
         capacity=capacity,

@@ -27,6 +27,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention_kernel import one_query_attention
 from .row_kernel import RowKernel, rounds_as_one_row, row_kernel
 
 #: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
@@ -52,9 +53,18 @@ def slotwise_exact_attention(
     `sdpa_attention_forward` makes for one query), alone, over exactly the keys plain decoding holds then (PyTorch's
     SDPA rounds differently when masked keys trail), with the row's mask, or none where plain decoding passes none
     (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a one-token step of rows of one
-    length, and forwards outside `slot_key_lengths` keep the stock path."""
+    length, and forwards outside `slot_key_lengths` keep the stock path. Wherever one row's unmasked query is computed
+    alone (a slot, or a single row's one-token step), `attention_kernel.one_query_attention` computes it where it
+    probes bit-equal to SDPA (bfloat16 on AVX-512 CPUs), faster."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
+    stock_call = (
+        attention_mask is None and not dropout and all(kwargs.get(n) is None for n in ("position_bias", "softcap"))
+    )
+    if stock_call and q_len == 1 and query.shape[0] == 1:  # a single row's one-token step, or its only slot
+        attended = one_query_attention(query, key, value, scaling)
+        if attended is not None:
+            return attended.transpose(1, 2), None
     lockstep = plan is not None and q_len == 1 and len(set(plan[0])) == 1  # one step, no row's keys trail masked
     if plan is None or lockstep or key.shape[2] == q_len or query.device.type != "cpu" or dropout:
         return sdpa_attention_forward(
@@ -74,14 +84,11 @@ def slotwise_exact_attention(
             q = query[r : r + 1, :, i : i + 1]
             if pack:
                 q = q.reshape(1, heads // groups, groups, head_dim)
-            attended = F.scaled_dot_product_attention(
-                q,
-                key[r : r + 1, :, :end],
-                value[r : r + 1, :, :end],
-                attn_mask=attention_mask[r : r + 1, :, i : i + 1, :end] if masked else None,
-                scale=scaling,
-                **gqa,
-            )
+            k, v = key[r : r + 1, :, :end], value[r : r + 1, :, :end]
+            attended = None if masked else one_query_attention(q, k, v, scaling)
+            if attended is None:
+                mask = attention_mask[r : r + 1, :, i : i + 1, :end] if masked else None
+                attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)
             out[r, i] = attended.reshape(heads, -1)
     return out, None
 
@@ -393,8 +400,9 @@ def verify_view(target: nn.Module, batch_size: int = 1, one_row_steps: str = "st
     with `use_row_exact_linears` for plain steps of `batch_size` rows in the forwards within `slot_key_lengths`,
     so greedy output equals plain decoding bit for bit; elsewhere `target` itself, on the stock kernels. `target`
     is never changed, so nothing needs undoing. `one_row_steps` (a single request: the way the calibration timed
-    fastest, `CostModel.one_row_steps`): the view's one-row products are computed that way, bit-equal, and its
-    one-token steps are then the call's plain steps (batches keep "stock": their steps have several rows)."""
+    fastest, `CostModel.one_row_steps`): the view's one-row products are computed that way, bit-equal (batches keep
+    "stock": their steps have several rows); a single row's one-token steps run on the view, its one-query
+    attention on `attention_kernel` where that probes bit-equal."""
     if not needs_exact_verify(target):
         return target
     view = call_view(target)

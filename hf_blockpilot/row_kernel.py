@@ -14,10 +14,7 @@ docs/exactness.md has the measurements.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,17 +22,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from .kernel_build import load_kernel
 
 SOURCE = Path(__file__).parent / "kernels" / "linear_rows.cpp"
 #: Set to "0" to never build or use the kernel.
 SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
+#: Its compile (and link) flags beyond `kernel_build.BASE_FLAGS`: rows spread over OpenMP threads.
+FLAGS = ("-fopenmp",)
 #: The float lanes of PyTorch's vectors per CPU capability: the bfloat16 accumulator layout the kernel reproduces. Only
 #: AVX2 is listed: the AVX-512 CPUs seen multiply bfloat16 with oneDNN (native instructions), which this kernel
 #: does not reproduce, so building it there would be wasted.
 LANE_WIDTHS = {"AVX2": 8}
-#: Seconds a process waits for another process's build of the kernel before it goes on without the kernel.
-BUILD_WAIT_S = 900
 #: Rows of the probe's inputs: one-row products to compare against, at three input scales (the kernel's blocks of 4
 #: rows, and each count of rows left over).
 PROBE_ROWS = (6, 7, 5, 32)
@@ -44,52 +41,13 @@ RowKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _rounds_as_one_row: dict[tuple, bool] = {}
 
 
-def _machine_tag() -> str:
-    """What a build depends on (it is compiled for this CPU): CPU model and flags, torch version, the source."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else [platform.processor()]
-    cpu = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    text = "\n".join([*cpu, torch.__version__, SOURCE.read_text()])
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def build_directory() -> Path:
-    """Where this machine's build of the kernel is made and cached, named by `_machine_tag`: under
-    `$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions` (where `torch.utils.cpp_extension` keeps its builds),
-    in `hf_blockpilot/`."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    return Path(root).expanduser() / "hf_blockpilot" / f"hf_blockpilot_linear_rows_{_machine_tag()}"
-
-
 @functools.cache
 def extension() -> Any | None:
     """The built `kernels/linear_rows.cpp` module (`bf16_rows(x, weight, lane_width)`, `f32_rows(x, weight)`), cached
-    per process; `None` where it is switched off or cannot be built (no compiler or ninja, or another process's build
-    did not end within `BUILD_WAIT_S`: said once)."""
+    per process; `None` where it is switched off or cannot be built (`kernel_build.load_kernel`)."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    from filelock import FileLock
-    from torch.utils.cpp_extension import load
-
-    directory = build_directory()
-    logger.info("hf-blockpilot: loading its verify kernels (built once per machine: about a minute)")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # An OS file lock, released when its process ends, so a build interrupted by a kill cannot leave the next
-        # process waiting forever on torch's own lock file (which only its builder removes): holding this lock,
-        # a torch lock file left in the directory is such a leftover.
-        with FileLock(directory / "hf_blockpilot.lock", timeout=BUILD_WAIT_S):
-            (directory / "lock").unlink(missing_ok=True)
-            return load(
-                name=directory.name,
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-            )
-    except Exception as error:  # noqa: BLE001 - any build failure leaves the stock products in place
-        logger.warning("hf-blockpilot: verify kernels not built (%s); verifies use PyTorch's products", error)
-        return None
+    return load_kernel(SOURCE, FLAGS, FLAGS)
 
 
 def _sums_in_sse_order(products: torch.Tensor, peel: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_blockpilot import exact_verify, row_kernel
+from hf_blockpilot import exact_verify, kernel_build, row_kernel
 from hf_blockpilot.exact_verify import slot_key_lengths, use_row_exact_linears
 
 
@@ -175,7 +175,7 @@ def fake_build(monkeypatch, tmp_path):
 
 def test_a_build_interrupted_by_a_kill_does_not_block_the_next(fake_build, tmp_path):
     # torch's own lock file, left behind by a builder that was killed, would make torch wait for it forever
-    directory = row_kernel.build_directory()
+    directory = kernel_build.build_directory(row_kernel.SOURCE, row_kernel.FLAGS)
     directory.mkdir(parents=True)
     (directory / "lock").touch()
     assert directory.is_relative_to(tmp_path)
@@ -186,9 +186,9 @@ def test_a_build_interrupted_by_a_kill_does_not_block_the_next(fake_build, tmp_p
 def test_a_build_held_by_another_process_too_long_leaves_the_stock_products(fake_build, monkeypatch, caplog):
     from filelock import FileLock
 
-    directory = row_kernel.build_directory()
+    directory = kernel_build.build_directory(row_kernel.SOURCE, row_kernel.FLAGS)
     directory.mkdir(parents=True)
-    monkeypatch.setattr(row_kernel, "BUILD_WAIT_S", 0.2)
+    monkeypatch.setattr(kernel_build, "BUILD_WAIT_S", 0.2)
     with FileLock(directory / "hf_blockpilot.lock"):  # another builder, still at work
         assert row_kernel.extension() is None
     assert fake_build == []

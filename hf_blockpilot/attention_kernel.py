@@ -1,0 +1,137 @@
+"""A CPU kernel for one-query bfloat16 attention (a decoding step's, or a verify slot's on the exact path) that gives
+the bits of PyTorch's `F.scaled_dot_product_attention`, 5-7x faster per call.
+
+On CPUs with native bfloat16 instructions (avx512_bf16: Zen 4 EPYC) PyTorch's one-query bfloat16 SDPA costs about
+0.55 µs a key (float32: 0.065), paid per layer for every decoding step and, on the exact path, for every verify slot:
+a third of a 4-token verify at 256 keys. `kernels/one_query_attention.cpp` computes the same operations in the same
+order without the per-call overheads. It is built only where PyTorch runs AVX-512 kernels (the order it reproduces is
+that of oneDNN's bfloat16 products; `kernel_build.load_kernel`) and used for a model's head layout only where it
+probes bit-equal to SDPA on this machine, at this thread count (`exact_parts`); everywhere else, or with
+`HF_BLOCKPILOT_ATTENTION_KERNEL=0`, PyTorch's SDPA serves. docs/exactness.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .kernel_build import load_kernel
+
+SOURCE = Path(__file__).parent / "kernels" / "one_query_attention.cpp"
+#: Set to "0" to never build or use the kernel.
+SWITCH = "HF_BLOCKPILOT_ATTENTION_KERNEL"
+#: Its compile flags beyond `kernel_build.BASE_FLAGS`: ATen's AVX-512 vectors (their `fexp_u20` is what SDPA uses).
+FLAGS = ("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512")
+#: Most keys it attends over: PyTorch's CPU flash kernel takes keys in blocks of 512 and rescales across blocks,
+#: which the kernel does not do.
+MAX_KEYS = 512
+#: Key counts probed on random inputs (every remainder of 4 and 16, the edges of the block).
+PROBE_KEYS = (1, 2, 3, 5, 17, 30, 64, 101, 255, 256, 301, 511, 512)
+#: Key counts probed on adversarial inputs (`adversarial_values`): which keys' products are summed together.
+ADVERSARIAL_KEYS = (7, 22, 101, 300)
+#: How many ways the kernel may split the keys' weighted values (PyTorch's gemm splits them in two on >1 thread).
+PARTS = (1, 2)
+
+#: `kernel(query (1, H, 1, D), key, value (1, Hkv, L, D), scale, parts)` -> (1, H, 1, D) bfloat16.
+OneQueryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+_exact_parts: dict[tuple, int | None] = {}
+
+
+@functools.cache
+def extension() -> Any | None:
+    """The built `kernels/one_query_attention.cpp` module (`one_query_attention(q, k, v, scale, parts)`), cached per
+    process; `None` where it is switched off, PyTorch does not run AVX-512 kernels here, or it cannot be built."""
+    if os.environ.get(SWITCH, "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    return load_kernel(SOURCE, FLAGS)
+
+
+def _built_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, parts: int):
+    return extension().one_query_attention(query, key, value, scale, parts)
+
+
+def adversarial_values(keys: int, head_dim: int, generator: torch.Generator, limit: int = 8) -> Iterator[torch.Tensor]:
+    """(keys, head_dim) value blocks, at most `limit`, each column with +2^24 at one key, -2^24 at another and 1.0 at
+    a third (every pair of keys in turn, or a random sample of pairs): with every key weighted alike (query 0) the 1
+    survives only where the two large values are summed before it, so the output shows the summation order."""
+    pairs = [(a, b) for a in range(keys) for b in range(keys) if a != b]
+    if len(pairs) > limit * head_dim:
+        chosen = torch.randperm(len(pairs), generator=generator)[: limit * head_dim].tolist()
+        pairs = [pairs[i] for i in chosen]
+    for start in range(0, len(pairs), head_dim):
+        v = torch.zeros(keys, head_dim)
+        for d, (plus, minus) in enumerate(pairs[start : start + head_dim]):
+            one = next(j for j in range(plus + 1, plus + keys + 1) if j % keys != minus) % keys
+            v[plus, d], v[minus, d], v[one, d] = 2.0**24, -(2.0**24), 1.0
+        yield v.bfloat16()
+
+
+def probe_parts(kernel: OneQueryKernel, heads: int, kv_heads: int, head_dim: int) -> int | None:
+    """The first of `PARTS` with which `kernel` gives every output of one-query bfloat16 SDPA bit for bit (`heads`
+    query heads over `kv_heads`, scale 1 / sqrt(head_dim)) on random inputs at each of `PROBE_KEYS` and on
+    adversarial ones at `ADVERSARIAL_KEYS`; `None` where no way does."""
+    generator = torch.Generator().manual_seed(0)
+    scale = 1.0 / math.sqrt(head_dim)
+    gqa = {"enable_gqa": True} if heads != kv_heads else {}
+    cases = []
+    for keys in PROBE_KEYS:
+        q = torch.randn(1, heads, 1, head_dim, generator=generator).bfloat16()
+        k, v = (torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16() for _ in range(2))
+        cases.append((q, k, v))
+    for keys in ADVERSARIAL_KEYS:
+        q, k = torch.zeros(1, heads, 1, head_dim).bfloat16(), torch.zeros(1, kv_heads, keys, head_dim).bfloat16()
+        cases += [
+            (q, k, v[None, None].expand(1, kv_heads, -1, -1)) for v in adversarial_values(keys, head_dim, generator)
+        ]
+    with torch.no_grad():
+        expected = [F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa) for q, k, v in cases]
+        for parts in PARTS:
+            if all(torch.equal(kernel(*case, scale, parts), want) for case, want in zip(cases, expected, strict=True)):
+                return parts
+    return None
+
+
+def exact_parts(heads: int, kv_heads: int, head_dim: int) -> int | None:
+    """How the built kernel splits p·v to give this machine's SDPA bit for bit for this head layout at PyTorch's
+    current thread count (`probe_parts`, once per layout and thread count); `None` where it does not, or where the
+    kernel is not available."""
+    key = (heads, kv_heads, head_dim, torch.get_num_threads())
+    if key not in _exact_parts:
+        eligible = extension() is not None and head_dim % 16 == 0 and head_dim <= 256 and heads % kv_heads == 0
+        _exact_parts[key] = probe_parts(_built_kernel, heads, kv_heads, head_dim) if eligible else None
+    return _exact_parts[key]
+
+
+def one_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> torch.Tensor | None:
+    """`F.scaled_dot_product_attention(query, key, value, scale=scale)` (GQA: query heads grouped over the key /
+    value heads) for one row's one unmasked bfloat16 query on CPU, computed by the kernel where it probes exact for
+    this layout (`exact_parts`); `None` where it does not serve (another dtype or device, more rows or queries, more
+    than `MAX_KEYS` keys): the caller then runs SDPA."""
+    batch, heads, queries, head_dim = query.shape
+    kv_heads, keys = key.shape[1:3]
+    if (
+        query.dtype != torch.bfloat16
+        or query.device.type != "cpu"
+        or batch != 1
+        or queries != 1
+        or keys > MAX_KEYS
+        or value.shape[-1] != head_dim
+        or query.stride(-1) != 1
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    ):
+        return None
+    parts = exact_parts(heads, kv_heads, head_dim)
+    if parts is None:
+        return None
+    return _built_kernel(query, key, value, 1.0 / math.sqrt(head_dim) if scale is None else scale, parts)
