@@ -39,7 +39,7 @@ ADVERSARIAL_KEYS = (7, 22, 101, 300)
 #: How many ways the kernel may split the keys' weighted values (PyTorch's gemm splits them in two on >1 thread).
 PARTS = (1, 2)
 
-#: `kernel(query (1, H, 1, D), key, value (1, Hkv, L, D), scale, parts)` -> (1, H, 1, D) bfloat16.
+#: `kernel(query (1, H, n, D), key, value (1, Hkv, L, D), scale, parts)` -> (1, H, n, D) bfloat16 (`one_query_calls`).
 OneQueryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
 _exact_parts: dict[tuple, int | None] = {}
 
@@ -73,25 +73,38 @@ def adversarial_values(keys: int, head_dim: int, generator: torch.Generator, lim
         yield v.bfloat16()
 
 
+def _one_query_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference: each of `query`'s n last positions in its own one-query SDPA call, over the keys up to it."""
+    gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+    first = key.shape[2] - query.shape[2] + 1
+    calls = [
+        F.scaled_dot_product_attention(
+            query[:, :, i : i + 1], key[:, :, : first + i], value[:, :, : first + i], scale=scale, **gqa
+        )
+        for i in range(query.shape[2])
+    ]
+    return torch.cat(calls, dim=2)
+
+
 def probe_parts(kernel: OneQueryKernel, heads: int, kv_heads: int, head_dim: int) -> int | None:
-    """The first of `PARTS` with which `kernel` gives every output of one-query bfloat16 SDPA bit for bit (`heads`
-    query heads over `kv_heads`, scale 1 / sqrt(head_dim)) on random inputs at each of `PROBE_KEYS` and on
-    adversarial ones at `ADVERSARIAL_KEYS`; `None` where no way does."""
+    """The first of `PARTS` with which `kernel` gives every output of one-query bfloat16 SDPA calls bit for bit
+    (`heads` query heads over `kv_heads`, scale 1 / sqrt(head_dim)): on random inputs at each of `PROBE_KEYS` (flat
+    and peaky weights; at the last, several queries in one call, as a verify's slots) and on adversarial ones at
+    `ADVERSARIAL_KEYS`; `None` where no way does."""
     generator = torch.Generator().manual_seed(0)
     scale = 1.0 / math.sqrt(head_dim)
-    gqa = {"enable_gqa": True} if heads != kv_heads else {}
     cases = []
-    for keys in PROBE_KEYS:
-        q = torch.randn(1, heads, 1, head_dim, generator=generator).bfloat16()
+    for i, keys in enumerate(PROBE_KEYS):
+        queries = 4 if keys == PROBE_KEYS[-1] else 1
+        q = (4.0 ** (i % 2) * torch.randn(1, heads, queries, head_dim, generator=generator)).bfloat16()
         k, v = (torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16() for _ in range(2))
         cases.append((q, k, v))
     for keys in ADVERSARIAL_KEYS:
         q, k = torch.zeros(1, heads, 1, head_dim).bfloat16(), torch.zeros(1, kv_heads, keys, head_dim).bfloat16()
-        cases += [
-            (q, k, v[None, None].expand(1, kv_heads, -1, -1)) for v in adversarial_values(keys, head_dim, generator)
-        ]
+        for v in adversarial_values(keys, head_dim, generator):
+            cases.append((q, k, v[None, None].expand(1, kv_heads, -1, -1)))
     with torch.no_grad():
-        expected = [F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa) for q, k, v in cases]
+        expected = [_one_query_calls(*case, scale) for case in cases]
         for parts in PARTS:
             if all(torch.equal(kernel(*case, scale, parts), want) for case, want in zip(cases, expected, strict=True)):
                 return parts
@@ -109,21 +122,21 @@ def exact_parts(heads: int, kv_heads: int, head_dim: int) -> int | None:
     return _exact_parts[key]
 
 
-def one_query_attention(
+def one_query_calls(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
 ) -> torch.Tensor | None:
-    """`F.scaled_dot_product_attention(query, key, value, scale=scale)` (GQA: query heads grouped over the key /
-    value heads) for one row's one unmasked bfloat16 query on CPU, computed by the kernel where it probes exact for
-    this layout (`exact_parts`); `None` where it does not serve (another dtype or device, more rows or queries, more
-    than `MAX_KEYS` keys): the caller then runs SDPA."""
+    """For one row's last n queries (`query` (1, H, n, D)) on CPU in bfloat16, unmasked, query i (0-based) attending
+    over the first L - n + 1 + i of `key` / `value`'s L keys: what n one-query `F.scaled_dot_product_attention` calls
+    (scale `scale`; GQA: query heads grouped over the key / value heads) give, bit for bit, in one kernel call where
+    the kernel probes exact for this layout (`exact_parts`); `None` where it does not serve (another dtype or device,
+    more rows, more than `MAX_KEYS` keys): the caller then runs SDPA."""
     batch, heads, queries, head_dim = query.shape
     kv_heads, keys = key.shape[1:3]
     if (
         query.dtype != torch.bfloat16
         or query.device.type != "cpu"
         or batch != 1
-        or queries != 1
-        or keys > MAX_KEYS
+        or not 1 <= queries <= keys <= MAX_KEYS
         or value.shape[-1] != head_dim
         or query.stride(-1) != 1
         or key.stride(-1) != 1

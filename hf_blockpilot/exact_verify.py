@@ -27,7 +27,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention_kernel import one_query_attention
+from .attention_kernel import one_query_calls
 from .row_kernel import RowKernel, rounds_as_one_row, row_kernel
 
 #: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
@@ -54,15 +54,15 @@ def slotwise_exact_attention(
     SDPA rounds differently when masked keys trail), with the row's mask, or none where plain decoding passes none
     (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a one-token step of rows of one
     length, and forwards outside `slot_key_lengths` keep the stock path. Wherever one row's unmasked query is computed
-    alone (a slot, or a single row's one-token step), `attention_kernel.one_query_attention` computes it where it
-    probes bit-equal to SDPA (bfloat16 on AVX-512 CPUs), faster."""
+    alone (a single row's one-token step, or a row's unmasked slots), `attention_kernel.one_query_calls` computes it
+    in one call where it probes bit-equal to SDPA (bfloat16 on AVX-512 CPUs), faster."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
     stock_call = (
         attention_mask is None and not dropout and all(kwargs.get(n) is None for n in ("position_bias", "softcap"))
     )
     if stock_call and q_len == 1 and query.shape[0] == 1:  # a single row's one-token step, or its only slot
-        attended = one_query_attention(query, key, value, scaling)
+        attended = one_query_calls(query, key, value, scaling)
         if attended is not None:
             return attended.transpose(1, 2), None
     lockstep = plan is not None and q_len == 1 and len(set(plan[0])) == 1  # one step, no row's keys trail masked
@@ -79,16 +79,18 @@ def slotwise_exact_attention(
     pack = groups > 1 and masked
     out = query.new_zeros(batch, q_len, heads, value.shape[-1])
     for r, (length, count) in enumerate(zip(lengths, slots, strict=True)):
+        keys, values = key[r : r + 1, :, : length + count], value[r : r + 1, :, : length + count]
+        row = None if masked or not count else one_query_calls(query[r : r + 1, :, :count], keys, values, scaling)
+        if row is not None:  # every slot in one kernel call
+            out[r, :count] = row[0].transpose(0, 1)
+            continue
         for i in range(count):
-            end = length + i + 1
             q = query[r : r + 1, :, i : i + 1]
             if pack:
                 q = q.reshape(1, heads // groups, groups, head_dim)
-            k, v = key[r : r + 1, :, :end], value[r : r + 1, :, :end]
-            attended = None if masked else one_query_attention(q, k, v, scaling)
-            if attended is None:
-                mask = attention_mask[r : r + 1, :, i : i + 1, :end] if masked else None
-                attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)
+            k, v = keys[:, :, : length + i + 1], values[:, :, : length + i + 1]
+            mask = attention_mask[r : r + 1, :, i : i + 1, : length + i + 1] if masked else None
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)
             out[r, i] = attended.reshape(heads, -1)
     return out, None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import make_drafter
 
 from hf_blockpilot import attention_kernel, exact_verify
@@ -13,7 +12,7 @@ from hf_blockpilot.controllers import DraftController
 
 
 def _sdpa(query, key, value, scale, parts):
-    return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    return attention_kernel._one_query_calls(query, key, value, scale)
 
 
 def _one_ulp_up_at(keys: int):
@@ -55,14 +54,14 @@ def test_the_adversarial_values_show_the_summation_order():
     assert not torch.equal(forward, backward)  # the order shows
 
 
-def test_one_query_attention_serves_only_one_unmasked_bfloat16_query():
+def test_the_kernel_serves_only_one_rows_unmasked_bfloat16_queries():
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
-    assert attention_kernel.one_query_attention(q, k, v, None) is None  # float32
+    assert attention_kernel.one_query_calls(q, k, v, None) is None  # float32
     bf = [t.bfloat16() for t in (q, k, v)]
-    assert attention_kernel.one_query_attention(bf[0].expand(1, 4, 2, 16), *bf[1:], None) is None  # two queries
-    assert attention_kernel.one_query_attention(*(t.expand(2, -1, -1, -1) for t in bf), None) is None  # two rows
+    assert attention_kernel.one_query_calls(*(t.expand(2, -1, -1, -1) for t in bf), None) is None  # two rows
+    assert attention_kernel.one_query_calls(bf[0].expand(1, 4, 11, 16), *bf[1:], None) is None  # more than the keys
     long = torch.zeros(1, 2, attention_kernel.MAX_KEYS + 1, 16).bfloat16()
-    assert attention_kernel.one_query_attention(bf[0], long, long, None) is None
+    assert attention_kernel.one_query_calls(bf[0], long, long, None) is None
 
 
 def test_the_kernel_is_switched_off_by_its_environment_variable(monkeypatch):
@@ -72,7 +71,7 @@ def test_the_kernel_is_switched_off_by_its_environment_variable(monkeypatch):
     try:
         assert attention_kernel.extension() is None
         q, k = torch.randn(1, 4, 1, 64).bfloat16(), torch.randn(1, 2, 10, 64).bfloat16()
-        assert attention_kernel.one_query_attention(q, k, k, None) is None
+        assert attention_kernel.one_query_calls(q, k, k, None) is None
     finally:
         attention_kernel.extension.cache_clear()
 
@@ -94,10 +93,12 @@ def test_the_kernel_gives_sdpas_bits_over_slices_of_a_cache(threads):
         cache = torch.randn(2, 1, 3, 520, 64, generator=generator).bfloat16()  # keys and values, room to spare
         for keys in (1, 4, 15, 16, 33, 100, 257, 512):
             for scale in (0.5, 4.0):  # peaky weights: the exponentials' sum order shows
-                q = (scale * torch.randn(1, 9, 1, 64, generator=generator)).bfloat16()
-                k, v = cache[0, :, :, :keys], cache[1, :, :, :keys]
-                expected = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
-                assert torch.equal(attention_kernel.one_query_attention(q, k, v, 0.125), expected), (keys, scale)
+                for queries in {1, min(keys, 5)}:  # a step; a verify's slots, each over the keys up to it
+                    q = (scale * torch.randn(1, 9, queries, 64, generator=generator)).bfloat16()
+                    k, v = cache[0, :, :, :keys], cache[1, :, :, :keys]
+                    expected = attention_kernel._one_query_calls(q, k, v, 0.125)
+                    got = attention_kernel.one_query_calls(q, k, v, 0.125)
+                    assert torch.equal(got, expected), (keys, scale, queries)
     finally:
         torch.set_num_threads(previous)
 
@@ -124,18 +125,18 @@ def test_greedy_output_stays_plain_generates_where_steps_and_slots_take_the_kern
     _exact_here(4, 2, 64)
     drafter = make_drafter(target, block_size=4, seed=3, scale=4.0).bfloat16()
     served = []
-    real = exact_verify.one_query_attention
+    real = exact_verify.one_query_calls
 
     def counting(query, key, value, scale):
         out = real(query, key, value, scale)
         served.append(out is not None)
         return out
 
-    monkeypatch.setattr(exact_verify, "one_query_attention", counting)
+    monkeypatch.setattr(exact_verify, "one_query_calls", counting)
     for case in range(3):
         prompt = torch.randint(3, 64, (1, 6 + 7 * case), generator=torch.Generator().manual_seed(case))
         kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
         plain = target.generate(prompt, **kwargs)
         out = target.generate(prompt, assistant_model=drafter, draft_controller=DraftController(4), **kwargs)
         assert torch.equal(out, plain), case
-    assert served and all(served)  # every one-query call (steps and verify slots) took the kernel
+    assert served and all(served)  # every step and every verify took the kernel
