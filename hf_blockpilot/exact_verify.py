@@ -271,6 +271,29 @@ def _fastest_s(run: Callable[[], Any]) -> float:
     return min(times)
 
 
+#: (weight shape, dtype, device type, rows the stock products round alike) -> whether `row_kernel` pays.
+_kernel_pays: dict[tuple, bool] = {}
+#: Rows `kernel_pays` times: a verify of a few drafts.
+KERNEL_TIMING_ROWS = 4
+
+
+def kernel_pays(weight: torch.Tensor, chunk: int) -> bool:
+    """Whether `row_kernel` computes `KERNEL_TIMING_ROWS` rows with `weight` faster than the exact path computes
+    them without it (one product where the stock products round `chunk` >= that many rows alike, else products of
+    `chunk` rows), the fastest of `BATCHED_TIMINGS` calls each way, once per shape, dtype, device and chunk (native
+    bfloat16 products are faster where they are exact, dot-product ones are not)."""
+    step = min(chunk, KERNEL_TIMING_ROWS)
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, step)
+    if key not in _kernel_pays:
+        kernel = row_kernel(weight.dtype)
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(KERNEL_TIMING_ROWS, weight.shape[1], generator=generator).to(weight)
+        with torch.no_grad():
+            stock = _fastest_s(lambda: [F.linear(x[i : i + step], weight) for i in range(0, len(x), step)])
+            _kernel_pays[key] = kernel is not None and _fastest_s(partial(kernel, x, weight)) < stock
+    return _kernel_pays[key]
+
+
 #: (weight shape, bias or not, dtype, device type, parts) -> whether `split_linear` rounds as `F.linear`.
 _split_products_exact: dict[tuple, bool] = {}
 #: Input scales `split_parts` probes one-row products at.
@@ -352,19 +375,20 @@ def _one_row_forward(
 
 def use_row_exact_linears(model: nn.Module, step_rows: int, one_row_steps: str = "stock") -> None:
     """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) compute a verify forward (within
-    `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it. A bias-free linear whose
-    products of `step_rows` rows round every row as one row (`row_exact_rows`) uses `row_kernel` where that probes
-    bit-equal to its one-row products (`rounds_as_one_row`: one pass over the weight for all rows, each row rounded
-    as one row). Otherwise, a weight that does not round every row alike up to `ROW_PROBE_LIMIT` rows computes it in
-    chunks no larger than `row_exact_rows` where those steps fit in one such chunk (each row then rounds as it
-    rounds alone), else slot by slot as products of exactly `step_rows` rows (`_as_plain_steps`). `one_row_steps`
-    (not "stock"): a one-row input, anywhere, is computed that way where it probes bit-equal (`one_row_product`),
-    so a single request's one-token steps give plain decoding's logits faster (which way is timed at calibration:
-    `CostModel.one_row_steps`). A linear whose `forward` is overridden on the instance (an accelerate offload
-    hook) is left alone."""
+    `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it. A bias-free linear whose products of
+    `step_rows` rows round every row as one row (`row_exact_rows`) uses `row_kernel` where that probes bit-equal to its
+    one-row products (`rounds_as_one_row`: one pass over the weight for all rows, each row rounded as one row) and is
+    faster than the way below (`kernel_pays`). Otherwise, a weight that does not round every row alike up to
+    `ROW_PROBE_LIMIT` rows computes it in chunks no larger than `row_exact_rows` where those steps fit in one such chunk
+    (each row then rounds as it rounds alone), else slot by slot as products of exactly `step_rows` rows
+    (`_as_plain_steps`). `one_row_steps` (not "stock"): a one-row input, anywhere, is computed that way where it probes
+    bit-equal (`one_row_product`), so a single request's one-token steps give plain decoding's logits faster (which way
+    is timed at calibration: `CostModel.one_row_steps`). A linear whose `forward` is overridden on the instance (an
+    accelerate offload hook) is left alone."""
     for module in _exact_path_linears(model):
         chunk = row_exact_rows(module.weight, module.bias)
-        if step_rows <= chunk and module.bias is None and rounds_as_one_row(module.weight):
+        kernel = step_rows <= chunk and module.bias is None and rounds_as_one_row(module.weight)
+        if kernel and kernel_pays(module.weight, chunk):
             module.forward = partial(_row_kernel_forward, module, row_kernel(module.weight.dtype))
         elif chunk < ROW_PROBE_LIMIT:
             module.forward = partial(_row_exact_forward, module, chunk, step_rows)

@@ -2,12 +2,14 @@
 one-row product rounds it.
 
 bfloat16: on CPUs without bfloat16 matrix instructions PyTorch computes a product of k rows as k one-row dot-product
-passes, so a k-token verify costs nearly k plain steps. float32: where MKL's one-row product takes its SSE path (the
-AMD EPYCs seen), its k-row products round otherwise, so the exact path ran k one-row products, k passes over the
-weight. `kernels/linear_rows.cpp` does each row's operations in the order of the one-row product but reads the
-weight once for all rows. It is built at first use (a C++ compiler and ninja, with `torch.utils.cpp_extension`,
-cached per machine and torch version) and used for a weight only where it probes bit-equal to one-row `F.linear`
-(`rounds_as_one_row`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the stock products serve.
+passes, so a k-token verify costs nearly k plain steps; on CPUs with avx512_bf16 oneDNN's k-row products round
+otherwise where the inputs exceed 512 (a down projection), so the exact path ran those row by row. float32: where
+MKL's one-row product takes its SSE path (the AMD EPYCs seen), its k-row products round otherwise, so the exact path
+ran k one-row products, k passes over the weight. `kernels/linear_rows.cpp` does each row's operations in the order
+of the one-row product but reads the weight once for all rows. It is built at first use (a C++ compiler and ninja,
+with `torch.utils.cpp_extension`, cached per machine and torch version) and used for a weight only where it probes
+bit-equal to one-row `F.linear` (`rounds_as_one_row`) and, on the exact path, faster than the stock products
+(`exact_verify.kernel_pays`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the stock products serve.
 docs/exactness.md has the measurements.
 """
 
@@ -29,10 +31,12 @@ SOURCE = Path(__file__).parent / "kernels" / "linear_rows.cpp"
 SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
 #: Its compile (and link) flags beyond `kernel_build.BASE_FLAGS`: rows spread over OpenMP threads.
 FLAGS = ("-fopenmp",)
-#: The float lanes of PyTorch's vectors per CPU capability: the bfloat16 accumulator layout the kernel reproduces. Only
-#: AVX2 is listed: the AVX-512 CPUs seen multiply bfloat16 with oneDNN (native instructions), which this kernel
-#: does not reproduce, so building it there would be wasted.
+#: The float lanes of PyTorch's vectors per CPU capability: the bfloat16 accumulator layout `bf16_rows` reproduces
+#: (PyTorch's own dot products). Only AVX2 is listed: the AVX-512 CPUs seen multiply bfloat16 with oneDNN, on native
+#: bfloat16 instructions where the CPU has them (`bf16_pair_rows`, `NATIVE_BF16_BLOCK`).
 LANE_WIDTHS = {"AVX2": 8}
+#: Inputs oneDNN's one-row bfloat16 product sums into one accumulator before starting the next (avx512_bf16 CPUs).
+NATIVE_BF16_BLOCK = 512
 #: Rows of the probe's inputs: one-row products to compare against, at three input scales (the kernel's blocks of 4
 #: rows, and each count of rows left over).
 PROBE_ROWS = (6, 7, 5, 32)
@@ -80,13 +84,20 @@ def one_row_float32_in_sse_order() -> bool:
 
 
 def row_kernel(dtype: torch.dtype) -> RowKernel | None:
-    """`kernel(x (rows, in), weight (out, in))` -> (rows, out) in `dtype` (bfloat16, with this CPU's lane layout, or
-    float32, where `one_row_float32_in_sse_order`); `None` for other dtypes, where neither holds, or where `extension`
-    is not available."""
+    """`kernel(x (rows, in), weight (out, in))` -> (rows, out) in `dtype` (bfloat16: with this CPU's lane layout, or
+    with native bfloat16 instructions on AVX-512 CPUs that have them; float32: where `one_row_float32_in_sse_order`);
+    `None` for other dtypes, where none holds, or where `extension` is not available."""
     if dtype == torch.bfloat16:
-        width = LANE_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
-        module = extension() if width is not None else None
-        return None if module is None else lambda x, weight: module.bf16_rows(x, weight, width)
+        capability = torch.backends.cpu.get_cpu_capability()
+        width = LANE_WIDTHS.get(capability)
+        module = extension() if width is not None or capability == "AVX512" else None
+        if module is None:
+            return None
+        if width is not None:
+            return lambda x, weight: module.bf16_rows(x, weight, width)
+        if module.has_bf16_pair_rows():  # built for a CPU with native bfloat16 products
+            return lambda x, weight: module.bf16_pair_rows(x, weight, NATIVE_BF16_BLOCK)
+        return None
     if dtype == torch.float32:
         module = extension() if one_row_float32_in_sse_order() else None
         return None if module is None else module.f32_rows
@@ -96,8 +107,8 @@ def row_kernel(dtype: torch.dtype) -> RowKernel | None:
 def rounds_as_one_row(weight: torch.Tensor) -> bool:
     """Whether `row_kernel` gives every row of a product with `weight` (bias-free) exactly what one-row
     `F.linear` gives it, probed once per shape and alignment (a float32 row's address decides MKL's order) on
-    inputs at three scales. False for anything but a 2-D contiguous bfloat16 or float32 CPU weight, and where the
-    kernel is not available."""
+    inputs at three scales. False for anything but a 2-D contiguous bfloat16 or float32 CPU weight, for a shape the
+    kernel refuses, and where the kernel is not available."""
     key = (weight.data_ptr() % 64, tuple(weight.shape), weight.dtype, weight.device.type)
     if key not in _rounds_as_one_row:
         eligible = weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
@@ -108,8 +119,11 @@ def rounds_as_one_row(weight: torch.Tensor) -> bool:
             for i, rows in enumerate(PROBE_ROWS if exact else ()):
                 x = (8.0 ** (i % 3 - 1) * torch.randn(rows, weight.shape[1], generator=generator)).to(weight)
                 alone = torch.cat([F.linear(x[r : r + 1], weight) for r in range(rows)])
-                if not torch.equal(kernel(x, weight), alone):
+                try:
+                    exact = torch.equal(kernel(x, weight), alone)
+                except RuntimeError:  # a shape the kernel does not take (`bf16_pair_rows`: an odd input count)
                     exact = False
+                if not exact:
                     break
         _rounds_as_one_row[key] = exact
     return _rounds_as_one_row[key]

@@ -35,6 +35,7 @@ def simulated_kernel(monkeypatch):
         monkeypatch.setattr(row_kernel, "row_kernel", lambda dtype: kernel)
         monkeypatch.setattr(exact_verify, "row_kernel", lambda dtype: kernel)
         monkeypatch.setattr(row_kernel, "_rounds_as_one_row", {})
+        monkeypatch.setattr(exact_verify, "_kernel_pays", {})
 
     return install
 
@@ -81,7 +82,7 @@ def test_the_sse_order_emulation_sums_in_the_documented_order(peel):
     assert not torch.equal(torch.tensor(expected), left_to_right)  # these sums tell the orders apart
 
 
-def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(simulated_kernel):
+def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(simulated_kernel, monkeypatch):
     calls = []
 
     def counted(x, weight):
@@ -89,6 +90,7 @@ def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(sim
         return _one_row_products(x, weight)
 
     simulated_kernel(counted)
+    monkeypatch.setattr(exact_verify, "kernel_pays", lambda weight, chunk: True)  # timed below
     model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 16)).to(torch.bfloat16)
     x = torch.randn(2, 5, 32).to(torch.bfloat16)
     with torch.no_grad():
@@ -102,6 +104,25 @@ def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(sim
     assert torch.equal(verified, torch.cat([model(x[:, i : i + 1]) for i in range(5)], 1))
     # the bias-free linear goes through the kernel (10 rows at once); the linear with a bias never does
     assert calls == [10]
+
+
+def test_a_verify_takes_the_kernel_only_where_it_is_faster_than_the_stock_products(simulated_kernel):
+    """CPU-independent: a kernel slower than the stock products (a native bfloat16 product that rounds every row
+    alike) is left out; one faster than them, or than the products of one row each that the exact path would run
+    where several rows round otherwise, is taken."""
+    import time
+
+    weight = torch.randn(64, 256).to(torch.bfloat16)
+    rows = torch.zeros(exact_verify.KERNEL_TIMING_ROWS, 64).to(torch.bfloat16)
+
+    def slow(x, weight):
+        time.sleep(0.002)
+        return rows
+
+    simulated_kernel(slow)
+    assert not exact_verify.kernel_pays(weight, chunk=128) and not exact_verify.kernel_pays(weight, chunk=1)
+    simulated_kernel(lambda x, weight: rows)  # nothing to compute: faster than any product
+    assert exact_verify.kernel_pays(weight, chunk=128) and exact_verify.kernel_pays(weight, chunk=1)
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -125,8 +146,8 @@ def test_one_row_steps_take_the_kernel_only_where_it_probes_exact(simulated_kern
         out = model(one), model(several)
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
     assert calls == ([1] if exact else [])
-    with pytest.raises(ValueError, match="one of the ways"):
-        use_row_exact_linears(model, step_rows=1, one_row_steps="fast")
+    with pytest.raises(ValueError, match="one of the ways"):  # a fresh model: `model`'s linears now have forwards
+        use_row_exact_linears(nn.Linear(32, 48, bias=False), step_rows=1, one_row_steps="fast")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

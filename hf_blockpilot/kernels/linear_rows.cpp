@@ -1,5 +1,5 @@
 // Several rows of a linear, each row rounded exactly as this machine's one-row CPU product rounds it, in one pass
-// over the weight (bfloat16: `bf16_rows`, float32: `f32_rows`).
+// over the weight (bfloat16: `bf16_rows`, or `bf16_pair_rows` with native bfloat16 instructions; float32: `f32_rows`).
 //
 // bfloat16. PyTorch computes a one-row bfloat16 product on CPUs without native bfloat16 matrix instructions as one
 // dot product per output, in float32 arithmetic (ATen's `dot_with_fp32_arith`): 8 vector accumulators of W float
@@ -9,6 +9,13 @@
 // way; single leftover inputs are added one by one. The result is rounded to bfloat16 (nearest, ties to even).
 // Several rows through that kernel cost as many passes over the weight, each converting it to float32 again; here
 // each output's weight row is converted once and reused for every input row.
+//
+// bfloat16 with native instructions (avx512_bf16: Zen 4 EPYC). oneDNN's one-row product sums each output's inputs in
+// blocks of 512, each block pair by pair into a fresh float32 accumulator (`vdpbf16ps`: the odd element's product,
+// then the even one's), the blocks' sums added in order, then rounds to bfloat16 (`vcvtneps2bf16`); its k-row
+// products round otherwise where the inputs exceed a block, so the exact path ran them row by row. `bf16_pair_rows`
+// uses the same instructions in the same order, 16 outputs a vector: the weight read once (16 rows of 16 pairs
+// loaded and transposed in registers), each input row's pair broadcast.
 //
 // float32. MKL's one-row float32 product on CPUs where it takes its SSE path (the AMD EPYCs seen: found by summing
 // +M, -M and ones, docs/exactness.md) is one dot product per output: the products (multiplied, rounded, then added:
@@ -293,7 +300,112 @@ torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
   return result;
 }
 
+#if defined(__AVX512BF16__)
+namespace {
+
+// 16 vectors of 16 dwords (row j: pairs p0..p15 of output j) -> out[p] = pair p of outputs 0..15
+inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int g = 0; g < 4; ++g) {
+    t[4 * g] = _mm512_unpacklo_epi32(r[4 * g], r[4 * g + 1]);
+    t[4 * g + 1] = _mm512_unpackhi_epi32(r[4 * g], r[4 * g + 1]);
+    t[4 * g + 2] = _mm512_unpacklo_epi32(r[4 * g + 2], r[4 * g + 3]);
+    t[4 * g + 3] = _mm512_unpackhi_epi32(r[4 * g + 2], r[4 * g + 3]);
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88), d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    out[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    out[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    out[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
+}  // namespace
+#endif
+
+// x (rows, in) and weight (out, in) bfloat16, `in` even -> (rows, out) bfloat16, as oneDNN's one-row product on CPUs
+// with avx512_bf16 rounds each row (see the top of this file); `block`: inputs a fresh accumulator takes.
+torch::Tensor bf16_pair_rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t block) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (rows, in), (out, in)");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t R = xc.size(0), K = xc.size(1), N = wc.size(0);
+  TORCH_CHECK(K % 2 == 0 && block % 32 == 0, "an even number of inputs, blocks of whole 16-pair steps");
+  auto out = torch::empty({R, N}, x.options());
+  const auto* X = reinterpret_cast<const int32_t*>(xc.data_ptr<at::BFloat16>());  // pairs
+  const auto* W = reinterpret_cast<const int*>(wc.data_ptr<at::BFloat16>());
+  auto* Y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t pairs = K / 2, tiles = (N + 15) / 16;
+  constexpr int64_t kRows = 8;  // input rows whose accumulators stay in registers
+#ifdef _OPENMP
+  omp_set_num_threads(at::get_num_threads());  // this build's OpenMP runtime, held to torch's thread count
+#endif
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * 16, lanes = std::min<int64_t>(16, N - o0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+      const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int>(pairs)));
+      for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, R - r0);
+        __m512 total[kRows], acc[kRows];
+        for (int64_t b = 0; b < pairs; b += block / 2) {
+          const int64_t bend = std::min<int64_t>(pairs, b + block / 2);
+          for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+          int64_t p = b;
+          for (; p + 16 <= bend; p += 16) {
+            __m512i loaded[16], w[16];
+            for (int64_t j = 0; j < 16; ++j)
+              loaded[j] = j < lanes ? _mm512_loadu_si512(W + (o0 + j) * pairs + p) : _mm512_setzero_si512();
+            transpose16(loaded, w);
+            for (int64_t q = 0; q < 16; ++q)
+              for (int64_t r = 0; r < rows; ++r) {
+                const __m512i xv = _mm512_set1_epi32(X[(r0 + r) * pairs + p + q]);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)w[q]);
+              }
+          }
+          for (; p < bend; ++p) {
+            const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, index, W + o0 * pairs + p, 4);
+            for (int64_t r = 0; r < rows; ++r) {
+              const __m512i xv = _mm512_set1_epi32(X[(r0 + r) * pairs + p]);
+              acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)w);
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) total[r] = b == 0 ? acc[r] : _mm512_add_ps(total[r], acc[r]);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m256bh y = _mm512_cvtneps_pbh(total[r]);
+          _mm256_mask_storeu_epi16(Y + (r0 + r) * N + o0, mask, (__m256i)y);
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "built without avx512_bf16");
+#endif
+}
+
+// Whether this build has `bf16_pair_rows` (compiled for a CPU with avx512_bf16).
+bool has_bf16_pair_rows() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_pair_rows", &bf16_pair_rows);
+  m.def("has_bf16_pair_rows", &has_bf16_pair_rows);
   m.def("bf16_rows", &bf16_rows);
   m.def("f32_rows", &f32_rows);
 }
