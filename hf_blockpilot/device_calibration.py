@@ -51,14 +51,15 @@ from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftCo
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 13  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 14  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
 # (`exact_verify.batched_linear`), and one-row steps timed with split products (then `split_one_row`);
 # 10: float32 verifies through `row_kernel` where it probes exact; 11: one-row steps timed on `row_kernel` too
 # (`CostModel.one_row_steps`); 12: one-query bfloat16 attention (steps and verify slots) on `attention_kernel` where it
-# probes exact; 13: bfloat16 verifies through `row_kernel` on avx512_bf16 CPUs (`bf16_pair_rows`) where it pays
+# probes exact; 13: bfloat16 verifies through `row_kernel` on avx512_bf16 CPUs (`bf16_pair_rows`) where it pays;
+# 14: a batch's verify slots on SDPA again (13 timed them on the attention kernel, which padded batches do not take)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`) only where

@@ -54,8 +54,8 @@ def slotwise_exact_attention(
     SDPA rounds differently when masked keys trail), with the row's mask, or none where plain decoding passes none
     (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a one-token step of rows of one
     length, and forwards outside `slot_key_lengths` keep the stock path. Wherever one row's unmasked query is computed
-    alone (a single row's one-token step, or a row's unmasked slots), `attention_kernel.one_query_calls` computes it
-    in one call where it probes bit-equal to SDPA (bfloat16 on AVX-512 CPUs), faster."""
+    alone (a single row's one-token step or verify slots), `attention_kernel.one_query_calls` computes it in one call
+    where it probes bit-equal to SDPA (bfloat16 on AVX-512 CPUs), faster."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
     stock_call = (
@@ -80,8 +80,11 @@ def slotwise_exact_attention(
     out = query.new_zeros(batch, q_len, heads, value.shape[-1])
     for r, (length, count) in enumerate(zip(lengths, slots, strict=True)):
         keys, values = key[r : r + 1, :, : length + count], value[r : r + 1, :, : length + count]
-        row = None if masked or not count else one_query_calls(query[r : r + 1, :, :count], keys, values, scaling)
-        if row is not None:  # every slot in one kernel call
+        # a single row's slots in one kernel call; a batch's keep SDPA: its calibration times unmasked rows of one
+        # length, while real batches are padded (masked) rows, which the kernel does not serve
+        served = batch == 1 and not masked and count
+        row = one_query_calls(query[:, :, :count], keys, values, scaling) if served else None
+        if row is not None:
             out[r, :count] = row[0].transpose(0, 1)
             continue
         for i in range(count):
