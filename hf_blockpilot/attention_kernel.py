@@ -36,7 +36,8 @@ MAX_KEYS = 512
 PROBE_KEYS = (1, 2, 3, 5, 17, 30, 64, 101, 255, 256, 301, 511, 512)
 #: Key counts probed on adversarial inputs (`adversarial_values`): which keys' products are summed together.
 ADVERSARIAL_KEYS = (7, 22, 101, 300)
-#: How many ways the kernel may split the keys' weighted values (PyTorch's gemm splits them in two on >1 thread).
+#: How many parts the kernel may split the keys' weighted values in (oneDNN splits them over two threads where SDPA's
+#: work is a single item: batch x heads = 1).
 PARTS = (1, 2)
 
 #: `kernel(query (1, H, n, D), key, value (1, Hkv, L, D), scale, parts)` -> (1, H, n, D) bfloat16 (`one_query_calls`).
@@ -53,7 +54,9 @@ def extension() -> Any | None:
     return load_kernel(SOURCE, FLAGS)
 
 
-def _built_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, parts: int):
+def _built_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, parts: int
+) -> torch.Tensor:
     return extension().one_query_attention(query, key, value, scale, parts)
 
 

@@ -10,7 +10,8 @@ chain, then (0 + 2) + (1 + 3)); times the scale and the running maximum (16-lane
 exp via ATen's `fexp_u20` (the vector part; `std::exp` for the remainder) with the lane sum `vec_reduce_all`; the
 weights rounded to bfloat16; p·v in the order `sdpa_pv_order_probe.py` reads (aligned groups of 4 keys as
 (t0 + t2) + (t1 + t3), group sums chained, the 1-3 keys left over added last key first; on 2 threads the keys
-split into halves, the first ceil(L / 2) keys and the rest, each summed so, the halves added last); times
+split into halves where SDPA's work is one item (batch x heads = 1: the adversarial cases' single head), the
+first ceil(L / 2) keys and the rest, each summed so, the halves added last); times
 1 / sum; rounded to bfloat16. Compared with
 `F.scaled_dot_product_attention` (9 query heads over 3 key/value heads, head dim 64, `enable_gqa`): random
 inputs at several key counts, and adversarial ones (q = 0, values +2^24, -2^24 and 1) that expose the p·v order,
