@@ -60,12 +60,15 @@ def _built_kernel(
     return extension().one_query_attention(query, key, value, scale, parts)
 
 
-def adversarial_values(keys: int, head_dim: int, generator: torch.Generator, limit: int = 8) -> Iterator[torch.Tensor]:
-    """(keys, head_dim) value blocks, at most `limit`, each column with +2^24 at one key, -2^24 at another and 1.0 at
-    a third (every pair of keys in turn, or a random sample of pairs): with every key weighted alike (query 0) the 1
-    survives only where the two large values are summed before it, so the output shows the summation order."""
+def adversarial_values(
+    keys: int, head_dim: int, generator: torch.Generator, limit: int | None = 8
+) -> Iterator[torch.Tensor]:
+    """(keys, head_dim) value blocks, at most `limit` (`None`: as many as every pair of keys takes), each column with
+    +2^24 at one key, -2^24 at another and 1.0 at the next key after the first but the second (every pair in turn, or a
+    random sample of pairs): with every key weighted alike (query 0) the 1 survives only where the two large values
+    are summed before it, so the output shows the summation order."""
     pairs = [(a, b) for a in range(keys) for b in range(keys) if a != b]
-    if len(pairs) > limit * head_dim:
+    if limit is not None and len(pairs) > limit * head_dim:
         chosen = torch.randperm(len(pairs), generator=generator)[: limit * head_dim].tolist()
         pairs = [pairs[i] for i in chosen]
     for start in range(0, len(pairs), head_dim):

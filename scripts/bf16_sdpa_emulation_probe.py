@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
+from hf_blockpilot.attention_kernel import adversarial_values
 from hf_blockpilot.device_calibration import cpu_description
 
 SOURCE = r"""
@@ -99,7 +99,6 @@ torch::Tensor one_query(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
 
 KEYS = (16, 32, 64, 100, 101, 256, 301, 511)
 ADVERSARIAL_KEYS = (16, 22, 30, 34, 98, 100, 101, 102, 103, 105)
-B = 2.0**24
 
 
 def build(name: str = "sdpa_emulation_probe", source: str = SOURCE, functions: tuple[str, ...] = ("one_query",)):
@@ -114,18 +113,6 @@ def build(name: str = "sdpa_emulation_probe", source: str = SOURCE, functions: t
         build_directory=str(directory),
         extra_cflags=flags,
     )
-
-
-def adversarial_values(keys: int) -> Iterator[torch.Tensor]:
-    """(keys, 64) bfloat16 value blocks, 64 placements each (one a column): +B at one key, -B at another, 1.0 at a
-    third; with q = 0 every key weighs alike, so which 1 is lost shows the p·v summation order."""
-    for start in range(0, keys * keys, 64):
-        v = torch.zeros(keys, 64)
-        for d, placement in enumerate(range(start, min(start + 64, keys * keys))):
-            plus, minus = divmod(placement, keys)
-            if plus != minus:
-                v[plus, d], v[minus, d], v[(plus + 1 + (plus + 1 == minus)) % keys, d] = B, -B, 1.0
-        yield v.bfloat16()
 
 
 def mismatches(ext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, halves: bool) -> int:
@@ -173,7 +160,7 @@ def main() -> None:
         print(f"random, {keys} keys: mismatching outputs {counts}")
     for keys in ADVERSARIAL_KEYS:
         counts = {"outputs": 0, "halves": 0, "one chain": 0}
-        for v in adversarial_values(keys):
+        for v in adversarial_values(keys, 64, torch.Generator(), limit=None):  # every pair of keys
             q, k = torch.zeros(1, 1, 1, 64).bfloat16(), torch.zeros(1, 1, keys, 64).bfloat16()
             counts["outputs"] += 64
             counts["halves"] += mismatches(ext, q, k, v[None, None], True)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bf16_sdpa_emulation_probe import adversarial_values  # this script's directory: run it as scripts/...
 
 from hf_blockpilot import attention_kernel
 from hf_blockpilot.device_calibration import cpu_description
@@ -44,7 +43,7 @@ def adversarial_mismatches(keys: int) -> int:
     """One head (SDPA's work a single item: on 2 threads oneDNN splits p·v's keys in two), q = 0."""
     parts = attention_kernel.exact_parts(1, 1, 64)
     wrong = 0
-    for values in adversarial_values(keys):
+    for values in attention_kernel.adversarial_values(keys, 64, torch.Generator(), limit=None):  # every pair
         q, k, v = torch.zeros(1, 1, 1, 64).bfloat16(), torch.zeros(1, 1, keys, 64).bfloat16(), values[None, None]
         got = attention_kernel._built_kernel(q, k, v, 0.125, parts)
         wrong += int((got != F.scaled_dot_product_attention(q, k, v)).sum())
