@@ -51,7 +51,7 @@ from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftCo
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 14  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 15  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
@@ -59,7 +59,9 @@ CALIBRATION_VERSION = 14  # 2: half-precision verifies timed with one-token-exac
 # 10: float32 verifies through `row_kernel` where it probes exact; 11: one-row steps timed on `row_kernel` too
 # (`CostModel.one_row_steps`); 12: one-query bfloat16 attention (steps and verify slots) on `attention_kernel` where it
 # probes exact; 13: bfloat16 verifies through `row_kernel` on avx512_bf16 CPUs (`bf16_pair_rows`) where it pays;
-# 14: a batch's verify slots on SDPA again (13 timed them on the attention kernel, which padded batches do not take)
+# 14: a batch's verify slots on SDPA again (13 timed them on the attention kernel, which padded batches do not take);
+# 15: batches timed padded (masked slots in one C++ loop, `exact_verify.slot_calls`), bfloat16 products of a batch's
+# rows on `row_kernel` where it probes exact for products of that many rows
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`) only where
@@ -543,12 +545,17 @@ def _cached_forward(
     target: PreTrainedModel, model: nn.Module, prefix: DynamicCache, tokens: torch.Tensor, context_tokens: int
 ) -> Callable[[], None]:
     """A forward of `model` (`target` or its `verify_view`) over `tokens` (B, n) after `prefix` (every row
-    `context_tokens` long), as `generate` verifies; the cache cropped back after it."""
+    `context_tokens` long), as `generate` verifies; the cache cropped back after it. A batch is timed padded (its
+    first key masked in row 0), as batches of real prompts are: their verify slots take the masked path."""
     batch_size, n = tokens.shape
+    padded = batch_size > 1
+    mask = torch.ones(batch_size, context_tokens + n, dtype=torch.long, device=tokens.device) if padded else None
+    if mask is not None:
+        mask[0, 0] = 0
 
     def run() -> None:
-        with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=False):  # as generate's
-            model(tokens, **{cache_argument(target): prefix}, output_hidden_states=True)
+        with slot_key_lengths([context_tokens] * batch_size, [n] * batch_size, masked=padded):  # as generate's
+            model(tokens, attention_mask=mask, **{cache_argument(target): prefix}, output_hidden_states=True)
         prefix.crop(-n)  # negative = tokens to remove, on every Transformers 5.x
 
     return run

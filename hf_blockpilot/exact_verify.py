@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +31,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention_kernel import one_query_calls
-from .row_kernel import RowKernel, rounds_as_one_row, row_kernel
+from .kernel_build import load_kernel
+from .row_kernel import RowKernel, exact_row_kernel
 
 #: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
 _slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | None] = contextvars.ContextVar(
@@ -77,6 +81,10 @@ def slotwise_exact_attention(
     # as rows of their key/value head
     gqa = {"enable_gqa": True} if groups > 1 and not masked and head_dim <= 256 else {}
     pack = groups > 1 and masked
+    if masked and batch > 1 and slot_calls_match_sdpa(query.dtype, heads, groups if pack else 1, head_dim):
+        mask = additive_mask(attention_mask, query.dtype)
+        out = slot_calls().masked_slot_calls(query, key, value, mask, lengths, slots, scaling, groups if pack else 1)
+        return out, None
     out = query.new_zeros(batch, q_len, heads, value.shape[-1])
     for r, (length, count) in enumerate(zip(lengths, slots, strict=True)):
         keys, values = key[r : r + 1, :, : length + count], value[r : r + 1, :, : length + count]
@@ -96,6 +104,53 @@ def slotwise_exact_attention(
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)
             out[r, i] = attended.reshape(heads, -1)
     return out, None
+
+
+@functools.cache
+def slot_calls() -> Any | None:
+    """The built `kernels/slot_calls.cpp` (`masked_slot_calls`), cached per process; `None` where it is switched off
+    (`HF_BLOCKPILOT_SLOT_CALLS=0`) or cannot be built (`kernel_build.load_kernel`)."""
+    if os.environ.get("HF_BLOCKPILOT_SLOT_CALLS", "1") == "0":
+        return None
+    return load_kernel(Path(__file__).parent / "kernels" / "slot_calls.cpp")
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA converts it (0 where attended, -inf elsewhere, in `dtype`); others as given."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+#: (dtype, query heads, queries packed a key/value head, head dim) -> whether `masked_slot_calls` gives SDPA's bits.
+_slot_calls_match: dict[tuple, bool] = {}
+#: (keys, masked leading keys) of each row of `slot_calls_match_sdpa`'s probe.
+SLOT_CALL_PROBES = ((1, 0), (37, 5), (130, 1), (300, 40))
+
+
+def slot_calls_match_sdpa(dtype: torch.dtype, heads: int, groups: int, head_dim: int) -> bool:
+    """Whether `slot_calls` is built and its `masked_slot_calls` gives every slot exactly what the slot's own
+    `F.scaled_dot_product_attention` call gives it with the boolean mask (query heads packed `groups` a key/value
+    head, as Transformers packs masked one-query calls), probed once per layout on random rows with leading masked
+    keys (as padding has), two slots each."""
+    key = (dtype, heads, groups, head_dim)
+    if key not in _slot_calls_match:
+        module = slot_calls()
+        matches = module is not None
+        generator = torch.Generator().manual_seed(0)
+        for keys, masked in SLOT_CALL_PROBES if matches else ():
+            q = torch.randn(1, heads, 2, head_dim, generator=generator).to(dtype)
+            k, v = (torch.randn(1, heads // groups, keys + 1, head_dim, generator=generator).to(dtype) for _ in "kv")
+            mask = torch.ones(1, 1, 2, keys + 1, dtype=torch.bool)
+            mask[..., :masked] = False
+            out = module.masked_slot_calls(q, k, v, additive_mask(mask, dtype), [keys - 1], [2], None, groups)
+            for i in range(2):
+                one = q[:, :, i : i + 1].reshape(1, heads // groups, groups, head_dim)
+                m = mask[:, :, i : i + 1, : keys + i]
+                sdpa = F.scaled_dot_product_attention(one, k[:, :, : keys + i], v[:, :, : keys + i], attn_mask=m)
+                matches = matches and torch.equal(out[0, i], sdpa.reshape(heads, -1))
+        _slot_calls_match[key] = matches
+    return _slot_calls_match[key]
 
 
 @contextmanager
@@ -177,11 +232,13 @@ def remember_row_exact(table: dict[str, int]) -> None:
 
 
 def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows <= chunk or _slot_key_lengths.get() is None:  # a verify forward's only: prefills run as plain ones
+    if _slot_key_lengths.get() is None:  # a verify forward's only: prefills run as plain ones
         return F.linear(x, module.weight, module.bias)
     if step_rows > chunk and x.dim() == 3:  # a batch whose plain step is itself one product of step_rows rows
         return _as_plain_steps(module, step_rows, x)
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if rows <= chunk:
+        return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     groups = -(-rows // chunk)
     padded = flat.new_zeros(groups * chunk, x.shape[-1])  # a row rounds alike in any product of <= chunk rows
@@ -191,8 +248,7 @@ def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.T
 
 
 def _row_kernel_forward(module: nn.Linear, kernel: RowKernel, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows <= 1 or _slot_key_lengths.get() is None:  # a verify forward's only, as above
+    if not x.numel() or _slot_key_lengths.get() is None:  # a verify forward's only, as above
         return F.linear(x, module.weight)
     return _kernel_product(kernel, module.weight, x)
 
@@ -274,26 +330,27 @@ def _fastest_s(run: Callable[[], Any]) -> float:
     return min(times)
 
 
-#: (weight shape, dtype, device type, rows the stock products round alike) -> whether `row_kernel` pays.
+#: (weight shape, dtype, device type, rows a step, rows a stock product) -> whether the kernel pays.
 _kernel_pays: dict[tuple, bool] = {}
-#: Rows `kernel_pays` times: a verify of a few drafts.
+#: Slots `kernel_pays` times: a verify of a few drafts.
 KERNEL_TIMING_ROWS = 4
 
 
-def kernel_pays(weight: torch.Tensor, chunk: int) -> bool:
-    """Whether `row_kernel` computes `KERNEL_TIMING_ROWS` rows with `weight` faster than the exact path computes
-    them without it (one product where the stock products round `chunk` >= that many rows alike, else products of
-    `chunk` rows), the fastest of `BATCHED_TIMINGS` calls each way, once per shape, dtype, device and chunk (native
-    bfloat16 products are faster where they are exact, dot-product ones are not)."""
-    step = min(chunk, KERNEL_TIMING_ROWS)
-    key = (tuple(weight.shape), weight.dtype, weight.device.type, step)
+def kernel_pays(weight: torch.Tensor, kernel: RowKernel, step_rows: int, product_rows: int) -> bool:
+    """Whether `kernel` computes a verify of `KERNEL_TIMING_ROWS` slots of `step_rows` rows with `weight` faster than
+    the exact path computes them without it (stock products of `product_rows` rows each: one where the stock
+    products round that many rows alike, else a chunk or one slot's rows), the fastest of `BATCHED_TIMINGS` calls
+    each way, once per shape, dtype, device and row counts (native bfloat16 products are faster where they are exact,
+    dot-product ones are not)."""
+    rows = KERNEL_TIMING_ROWS * step_rows
+    step = min(product_rows, rows)
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, step_rows, step)
     if key not in _kernel_pays:
-        kernel = row_kernel(weight.dtype)
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(KERNEL_TIMING_ROWS, weight.shape[1], generator=generator).to(weight)
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight)
         with torch.no_grad():
-            stock = _fastest_s(lambda: [F.linear(x[i : i + step], weight) for i in range(0, len(x), step)])
-            _kernel_pays[key] = kernel is not None and _fastest_s(partial(kernel, x, weight)) < stock
+            stock = _fastest_s(lambda: [F.linear(x[i : i + step], weight) for i in range(0, rows, step)])
+            _kernel_pays[key] = _fastest_s(partial(kernel, x, weight)) < stock
     return _kernel_pays[key]
 
 
@@ -345,7 +402,7 @@ ONE_ROW_STEPS = ("stock", "split", "kernel")
 
 def one_row_product(module: nn.Linear, how: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """`module`'s one-row product computed `how` (one of `ONE_ROW_STEPS`), bit-equal to one-row `F.linear`: the
-    split where `split_parts` probes it so, the kernel where `rounds_as_one_row` does (bias-free weights); `None`
+    split where `split_parts` probes it so, the kernel where `exact_row_kernel` finds one (bias-free weights); `None`
     for "stock" and where the way does not probe bit-equal for this weight."""
     if how not in ONE_ROW_STEPS:
         raise ValueError(f"one-row steps are computed one of the ways {ONE_ROW_STEPS}, got {how!r}")
@@ -353,8 +410,9 @@ def one_row_product(module: nn.Linear, how: str) -> Callable[[torch.Tensor], tor
     if how == "split":
         parts = split_parts(weight, bias)
         return None if parts == 1 else partial(split_linear, weight=weight, bias=bias, parts=parts)
-    if how == "kernel" and bias is None and rounds_as_one_row(weight):
-        return partial(_kernel_product, row_kernel(weight.dtype), weight)
+    kernel = exact_row_kernel(weight) if how == "kernel" and bias is None else None
+    if kernel is not None:
+        return partial(_kernel_product, kernel, weight)
     return None
 
 
@@ -378,21 +436,22 @@ def _one_row_forward(
 
 def use_row_exact_linears(model: nn.Module, step_rows: int, one_row_steps: str = "stock") -> None:
     """Make every plain `nn.Linear` of `model` (a `call_view`: this changes it) compute a verify forward (within
-    `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it. A bias-free linear whose products of
-    `step_rows` rows round every row as one row (`row_exact_rows`) uses `row_kernel` where that probes bit-equal to its
-    one-row products (`rounds_as_one_row`: one pass over the weight for all rows, each row rounded as one row) and is
-    faster than the way below (`kernel_pays`). Otherwise, a weight that does not round every row alike up to
-    `ROW_PROBE_LIMIT` rows computes it in chunks no larger than `row_exact_rows` where those steps fit in one such chunk
-    (each row then rounds as it rounds alone), else slot by slot as products of exactly `step_rows` rows
-    (`_as_plain_steps`). `one_row_steps` (not "stock"): a one-row input, anywhere, is computed that way where it probes
-    bit-equal (`one_row_product`), so a single request's one-token steps give plain decoding's logits faster (which way
-    is timed at calibration: `CostModel.one_row_steps`). A linear whose `forward` is overridden on the instance (an
-    accelerate offload hook) is left alone."""
+    `slot_key_lengths`) as plain decoding's steps of `step_rows` rows compute it. A bias-free linear takes a kernel
+    that reads the weight once for all rows (`exact_row_kernel`) where one probes bit-equal to the step's products
+    (as one row where products of `step_rows` rows round every row alike, `row_exact_rows`; else as products of
+    `step_rows` rows) and is faster than the way below (`kernel_pays`). Otherwise, a weight that does not round every
+    row alike up to `ROW_PROBE_LIMIT` rows computes it in chunks no larger than `row_exact_rows` where those steps fit
+    in one such chunk (each row then rounds as it rounds alone), else slot by slot as products of exactly `step_rows`
+    rows (`_as_plain_steps`). `one_row_steps` (not "stock"): a one-row input, anywhere, is computed that way where it
+    probes bit-equal (`one_row_product`), so a single request's one-token steps give plain decoding's logits faster
+    (which way is timed at calibration: `CostModel.one_row_steps`). A linear whose `forward` is overridden on the
+    instance (an accelerate offload hook) is left alone."""
     for module in _exact_path_linears(model):
         chunk = row_exact_rows(module.weight, module.bias)
-        kernel = step_rows <= chunk and module.bias is None and rounds_as_one_row(module.weight)
-        if kernel and kernel_pays(module.weight, chunk):
-            module.forward = partial(_row_kernel_forward, module, row_kernel(module.weight.dtype))
+        alike = step_rows <= chunk  # a step's product rounds each row as one row
+        kernel = exact_row_kernel(module.weight, 1 if alike else step_rows) if module.bias is None else None
+        if kernel is not None and kernel_pays(module.weight, kernel, step_rows, chunk if alike else step_rows):
+            module.forward = partial(_row_kernel_forward, module, kernel)
         elif chunk < ROW_PROBE_LIMIT:
             module.forward = partial(_row_exact_forward, module, chunk, step_rows)
         one_row = one_row_product(module, one_row_steps)

@@ -1,5 +1,5 @@
 """CPU kernels for verify forwards: k rows in one pass over the weight, each row rounded exactly as this machine's
-one-row product rounds it.
+one-row product rounds it (or, native bfloat16, as its product of a batch's rows does).
 
 bfloat16: on CPUs without bfloat16 matrix instructions PyTorch computes a product of k rows as k one-row dot-product
 passes, so a k-token verify costs nearly k plain steps; on CPUs with avx512_bf16 oneDNN's k-row products round
@@ -8,7 +8,7 @@ MKL's one-row product takes its SSE path (the AMD EPYCs seen), its k-row product
 ran k one-row products, k passes over the weight. `kernels/linear_rows.cpp` does each row's operations in the order
 of the one-row product but reads the weight once for all rows. It is built at first use (a C++ compiler and ninja,
 with `torch.utils.cpp_extension`, cached per machine and torch version) and used for a weight only where it probes
-bit-equal to one-row `F.linear` (`rounds_as_one_row`) and, on the exact path, faster than the stock products
+bit-equal to `F.linear` (`exact_row_kernel`) and, on the exact path, faster than the stock products
 (`exact_verify.kernel_pays`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the stock products serve.
 docs/exactness.md has the measurements.
 """
@@ -33,16 +33,18 @@ SWITCH = "HF_BLOCKPILOT_ROW_KERNEL"
 FLAGS = ("-fopenmp",)
 #: The float lanes of PyTorch's vectors per CPU capability: the bfloat16 accumulator layout `bf16_rows` reproduces
 #: (PyTorch's own dot products). Only AVX2 is listed: the AVX-512 CPUs seen multiply bfloat16 with oneDNN, on native
-#: bfloat16 instructions where the CPU has them (`bf16_pair_rows`, `NATIVE_BF16_BLOCK`).
+#: bfloat16 instructions where the CPU has them (`bf16_pair_rows`, `NATIVE_BF16_BLOCKS`).
 LANE_WIDTHS = {"AVX2": 8}
-#: Inputs oneDNN's one-row bfloat16 product sums into one accumulator before starting the next (avx512_bf16 CPUs).
-NATIVE_BF16_BLOCK = 512
+#: Inputs oneDNN's bfloat16 products sum into one accumulator before starting the next (avx512_bf16 CPUs), in the
+#: order `exact_row_kernel` tries them: 512 in one-row products; products of 4 or more rows of 1536 inputs took 1024 on
+#: a Zen 4 EPYC (docs/exactness.md).
+NATIVE_BF16_BLOCKS = (512, 1024, 256, 2048)
 #: Rows of the probe's inputs: one-row products to compare against, at three input scales (the kernel's blocks of 4
 #: rows, and each count of rows left over).
 PROBE_ROWS = (6, 7, 5, 32)
 
 RowKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_rounds_as_one_row: dict[tuple, bool] = {}
+_exact_row_kernels: dict[tuple, RowKernel | None] = {}
 
 
 @functools.cache
@@ -83,47 +85,56 @@ def one_row_float32_in_sse_order() -> bool:
     return True
 
 
-def row_kernel(dtype: torch.dtype) -> RowKernel | None:
-    """`kernel(x (rows, in), weight (out, in))` -> (rows, out) in `dtype` (bfloat16: with this CPU's lane layout, or
-    with native bfloat16 instructions on AVX-512 CPUs that have them; float32: where `one_row_float32_in_sse_order`);
-    `None` for other dtypes, where none holds, or where `extension` is not available."""
+def row_kernels(dtype: torch.dtype) -> list[RowKernel]:
+    """The kernels `exact_row_kernel` probes for `dtype`, in order: bfloat16 with this CPU's lane layout, or with
+    native bfloat16 instructions (AVX-512 CPUs that have them) one per block of `NATIVE_BF16_BLOCKS`; float32 where
+    `one_row_float32_in_sse_order`; none for other dtypes, where none holds, or where `extension` is not available."""
     if dtype == torch.bfloat16:
         capability = torch.backends.cpu.get_cpu_capability()
         width = LANE_WIDTHS.get(capability)
         module = extension() if width is not None or capability == "AVX512" else None
         if module is None:
-            return None
+            return []
         if width is not None:
-            return lambda x, weight: module.bf16_rows(x, weight, width)
+            return [lambda x, weight: module.bf16_rows(x, weight, width)]
         if module.has_bf16_pair_rows():  # built for a CPU with native bfloat16 products
-            return lambda x, weight: module.bf16_pair_rows(x, weight, NATIVE_BF16_BLOCK)
-        return None
+            return [functools.partial(_pair_rows, module, block) for block in NATIVE_BF16_BLOCKS]
+        return []
     if dtype == torch.float32:
         module = extension() if one_row_float32_in_sse_order() else None
-        return None if module is None else module.f32_rows
-    return None
+        return [] if module is None else [module.f32_rows]
+    return []
 
 
-def rounds_as_one_row(weight: torch.Tensor) -> bool:
-    """Whether `row_kernel` gives every row of a product with `weight` (bias-free) exactly what one-row
-    `F.linear` gives it, probed once per shape and alignment (a float32 row's address decides MKL's order) on
-    inputs at three scales. False for anything but a 2-D contiguous bfloat16 or float32 CPU weight, for a shape the
-    kernel refuses, and where the kernel is not available."""
-    key = (weight.data_ptr() % 64, tuple(weight.shape), weight.dtype, weight.device.type)
-    if key not in _rounds_as_one_row:
+def _pair_rows(module: Any, block: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return module.bf16_pair_rows(x, weight, block)
+
+
+def exact_row_kernel(weight: torch.Tensor, rows: int = 1) -> RowKernel | None:
+    """The first of `row_kernels` that gives every row of a product with `weight` (bias-free) exactly what
+    `F.linear` gives it in a product of `rows` rows (1: alone), probed once per shape, alignment (a float32 row's
+    address decides MKL's order) and `rows`, on inputs at three scales and one spread over many exponents (which
+    tells a sum in blocks of 512 inputs from one in blocks of 1024). `None` for anything but a 2-D contiguous
+    bfloat16 or float32 CPU weight, for a shape no kernel takes, and where no kernel is available."""
+    key = (weight.data_ptr() % 64, tuple(weight.shape), weight.dtype, weight.device.type, rows)
+    if key not in _exact_row_kernels:
         eligible = weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-        kernel = row_kernel(weight.dtype) if eligible else None
-        exact = kernel is not None
+        kernels = row_kernels(weight.dtype) if eligible else []
         generator = torch.Generator().manual_seed(0)
+        probes = []
         with torch.no_grad():
-            for i, rows in enumerate(PROBE_ROWS if exact else ()):
-                x = (8.0 ** (i % 3 - 1) * torch.randn(rows, weight.shape[1], generator=generator)).to(weight)
-                alone = torch.cat([F.linear(x[r : r + 1], weight) for r in range(rows)])
-                try:
-                    exact = torch.equal(kernel(x, weight), alone)
-                except RuntimeError:  # a shape the kernel does not take (`bf16_pair_rows`: an odd input count)
-                    exact = False
-                if not exact:
-                    break
-        _rounds_as_one_row[key] = exact
-    return _rounds_as_one_row[key]
+            for i, count in enumerate(PROBE_ROWS if kernels else ()):
+                x = 8.0 ** (i % 3 - 1) * torch.randn(-(-count // rows) * rows, weight.shape[1], generator=generator)
+                if i == len(PROBE_ROWS) - 1:  # the widest probe: magnitudes over many exponents
+                    x = x * torch.exp(2 * torch.randn(x.shape, generator=generator))
+                x = x.to(weight)
+                probes.append((x, torch.cat([F.linear(part, weight) for part in x.split(rows)])))
+            _exact_row_kernels[key] = next((k for k in kernels if _gives(k, weight, probes)), None)
+    return _exact_row_kernels[key]
+
+
+def _gives(kernel: RowKernel, weight: torch.Tensor, probes: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    try:
+        return all(torch.equal(kernel(x, weight), expected) for x, expected in probes)
+    except RuntimeError:  # a shape the kernel does not take (`bf16_pair_rows`: an odd input count)
+        return False

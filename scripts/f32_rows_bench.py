@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from bf16_rows_bench import SHAPES, median_ms  # this script's directory: run it as scripts/f32_rows_bench.py
 
 from hf_blockpilot.device_calibration import cpu_description
-from hf_blockpilot.row_kernel import one_row_float32_in_sse_order, row_kernel
+from hf_blockpilot.row_kernel import one_row_float32_in_sse_order, row_kernels
 
 ROWS = (1, 2, 3, 4, 8, 9, 16)
 
@@ -54,7 +54,7 @@ def main() -> None:
         print(f"weight offset {offset}: partial sums holding inputs 0 and j = 1..15: {sizes}")
     result["sse_order"] = one_row_float32_in_sse_order()
     print(f"one-row float32 products sum in MKL's SSE order here: {result['sse_order']}")
-    kernel = row_kernel(torch.float32)
+    kernel = next(iter(row_kernels(torch.float32)), None)
     if kernel is None:
         print("no float32 row kernel here (another order, or no build)")
         args.out.parent.mkdir(parents=True, exist_ok=True)

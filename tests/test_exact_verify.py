@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from hf_blockpilot import DraftController, exact_verify
 from hf_blockpilot._compat import cache_argument
 from hf_blockpilot.exact_verify import ROW_PROBE_LIMIT, row_exact_rows
-from hf_blockpilot.row_kernel import rounds_as_one_row
+from hf_blockpilot.row_kernel import exact_row_kernel
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -51,7 +51,7 @@ def test_exact_verify_path_makes_a_verify_equal_one_token_steps_bit_for_bit(dtyp
         # linears computed by `row_kernel` where it probes bit-equal to one-row products (bfloat16 on CPUs whose
         # bfloat16 products are dot products, e.g. AVX2 only; float32 where MKL's one-row products take its SSE path)
         linears = [m for m in target.modules() if type(m) is nn.Linear]
-        kernel = [m for m in linears if m.bias is None and rounds_as_one_row(m.weight)]
+        kernel = [m for m in linears if m.bias is None and exact_row_kernel(m.weight) is not None]
         # and the rest split where this CPU's kernels round k rows unlike one (probed, so on every CPU)
         inexact = [m for m in linears if m not in kernel and row_exact_rows(m.weight, m.bias) < ROW_PROBE_LIMIT]
         assert sum("forward" in module.__dict__ for module in model.modules()) == len(inexact) + len(kernel)
@@ -351,3 +351,77 @@ def test_a_calls_exact_path_is_its_own_while_another_thread_decodes_plain_on_the
     assert problems == []
     # what Transformers attaches during a call (the hooks that capture the drafter's hidden states) stayed in it
     assert sum(len(module._forward_hooks) for module in target.modules()) == hooks
+
+
+class _Attention(nn.Module):
+    """What `slotwise_exact_attention` reads of an attention module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_padded_batchs_slots_in_one_loop_give_each_slots_own_sdpa_call(monkeypatch, dtype, groups):
+    """A masked verify over ragged rows computes every slot in one C++ loop (`slot_calls`) where that probes exact:
+    each slot equals its own SDPA call over the keys plain decoding holds then (the Python loop's result, switched
+    off with `HF_BLOCKPILOT_SLOT_CALLS=0`); padding slots stay zero."""
+    generator = torch.Generator().manual_seed(groups)
+    heads, head_dim, lengths, slots = 6, 32, [9, 30, 17], [3, 1, 2]
+    width = max(slots)
+    query = torch.randn(3, heads, width, head_dim, generator=generator).to(dtype)
+    key, value = (torch.randn(3, heads // groups, 40, head_dim, generator=generator).to(dtype) for _ in "kv")
+    last = torch.tensor(lengths)[:, None] + torch.arange(width)  # the last key each row's slot i attends to
+    positions = torch.arange(40)[None, None, None, :]
+    mask = (positions <= last[:, None, :, None]) & (positions >= torch.tensor([2, 0, 5])[:, None, None, None])
+    module = _Attention(groups)
+
+    def attend() -> torch.Tensor:
+        exact_verify._slot_calls_match.clear()
+        with exact_verify.slot_key_lengths(lengths, slots, masked=True):
+            return exact_verify.slotwise_exact_attention(module, query, key, value, mask)[0]
+
+    looped = attend()
+    if exact_verify.slot_calls() is None or not exact_verify.slot_calls_match_sdpa(dtype, heads, groups, head_dim):
+        pytest.skip("the slot-call loop is not built here (no compiler)")
+    monkeypatch.setenv("HF_BLOCKPILOT_SLOT_CALLS", "0")
+    exact_verify.slot_calls.cache_clear()
+    try:
+        assert exact_verify.slot_calls() is None
+        in_python = attend()
+    finally:
+        exact_verify.slot_calls.cache_clear()
+    assert torch.equal(looped, in_python)
+    for r, (length, count) in enumerate(zip(lengths, slots, strict=True)):
+        assert not looped[r, count:].any()
+        for i in range(count):
+            one = query[r : r + 1, :, i : i + 1].reshape(1, heads // groups, groups, head_dim)
+            keys = slice(0, length + i + 1)
+            sdpa = F.scaled_dot_product_attention(
+                one, key[r : r + 1, :, keys], value[r : r + 1, :, keys], attn_mask=mask[r : r + 1, :, i : i + 1, keys]
+            )
+            assert torch.equal(looped[r, i], sdpa.reshape(heads, -1))
+
+
+def test_the_slot_call_loop_is_refused_where_it_rounds_unlike_sdpa(monkeypatch):
+    """CPU-independent: a loop that gives one output one ulp off is refused by the probe, and the slots are then
+    computed one SDPA call each."""
+
+    class OneUlpOff:
+        @staticmethod
+        def masked_slot_calls(q, k, v, mask, lengths, slots, scale, groups):
+            out = torch.zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype)
+            for r, (length, count) in enumerate(zip(lengths, slots, strict=True)):
+                for i in range(count):
+                    one = q[r : r + 1, :, i : i + 1].reshape(1, q.shape[1] // groups, groups, -1)
+                    keys = slice(0, length + i + 1)
+                    m = mask[r : r + 1, :, i : i + 1, keys]
+                    sdpa = F.scaled_dot_product_attention(one, k[r : r + 1, :, keys], v[r : r + 1, :, keys], m)
+                    out[r, i] = sdpa.reshape(q.shape[1], -1)
+            out.view(torch.int16)[..., -1] += 1
+            return out
+
+    monkeypatch.setattr(exact_verify, "slot_calls", lambda: OneUlpOff)
+    monkeypatch.setattr(exact_verify, "_slot_calls_match", {})
+    assert not exact_verify.slot_calls_match_sdpa(torch.bfloat16, 4, 2, 16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,10 +32,9 @@ def _one_ulp_off(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def simulated_kernel(monkeypatch):
     """Install `kernel` as this process's row kernel, with the probe's results forgotten (before and after)."""
 
-    def install(kernel):
-        monkeypatch.setattr(row_kernel, "row_kernel", lambda dtype: kernel)
-        monkeypatch.setattr(exact_verify, "row_kernel", lambda dtype: kernel)
-        monkeypatch.setattr(row_kernel, "_rounds_as_one_row", {})
+    def install(*kernels):
+        monkeypatch.setattr(row_kernel, "row_kernels", lambda dtype: [k for k in kernels if k is not None])
+        monkeypatch.setattr(row_kernel, "_exact_row_kernels", {})
         monkeypatch.setattr(exact_verify, "_kernel_pays", {})
 
     return install
@@ -43,12 +43,37 @@ def simulated_kernel(monkeypatch):
 def test_the_probe_refuses_a_kernel_that_rounds_one_output_unlike_one_row(simulated_kernel):
     weight = torch.randn(40, 24).to(torch.bfloat16)
     simulated_kernel(_one_ulp_off)
-    assert not row_kernel.rounds_as_one_row(weight)
+    assert row_kernel.exact_row_kernel(weight) is None
     simulated_kernel(_one_row_products)
-    assert row_kernel.rounds_as_one_row(weight)
-    assert not row_kernel.rounds_as_one_row(weight.t())  # a contiguous weight only
+    assert row_kernel.exact_row_kernel(weight) is _one_row_products
+    assert row_kernel.exact_row_kernel(weight.t()) is None  # a contiguous weight only
     simulated_kernel(None)  # not built here
-    assert not row_kernel.rounds_as_one_row(weight)
+    assert row_kernel.exact_row_kernel(weight) is None
+
+
+def _linear_rounding_four_rows_otherwise(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear`, but a product of 4 or more rows rounds its last output one bfloat16 away from zero."""
+    out = F.linear(x, weight)
+    if x.shape[0] >= 4:
+        out.view(torch.int16)[:, -1] += 1
+    return out
+
+
+def test_the_probe_takes_the_first_kernel_that_rounds_as_a_product_of_the_steps_rows(simulated_kernel, monkeypatch):
+    """CPU-independent: a batch's step is one product of its rows, which some kernels round unlike one row (oneDNN's
+    bfloat16 products of 4+ rows sum the inputs in blocks of 1024, one row in blocks of 512); of several candidate
+    kernels the probe takes the first that gives what a product of that many rows gives, per row count."""
+    monkeypatch.setattr(row_kernel, "F", SimpleNamespace(linear=_linear_rounding_four_rows_otherwise))
+    weight = torch.randn(40, 24).to(torch.bfloat16)
+
+    def as_four(x, weight):
+        return torch.cat([_linear_rounding_four_rows_otherwise(part, weight) for part in x.split(4)])
+
+    simulated_kernel(_one_ulp_off, _one_row_products, as_four)
+    assert row_kernel.exact_row_kernel(weight, rows=1) is _one_row_products
+    assert row_kernel.exact_row_kernel(weight, rows=4) is as_four
+    simulated_kernel(_one_ulp_off, _one_row_products)
+    assert row_kernel.exact_row_kernel(weight, rows=4) is None
 
 
 def test_no_kernel_for_other_dtypes_nor_for_float32_summed_in_another_order(monkeypatch):
@@ -56,9 +81,9 @@ def test_no_kernel_for_other_dtypes_nor_for_float32_summed_in_another_order(monk
         raise AssertionError("built")
 
     monkeypatch.setattr(row_kernel, "extension", no_build)
-    assert row_kernel.row_kernel(torch.float16) is None
+    assert row_kernel.row_kernels(torch.float16) == []
     monkeypatch.setattr(row_kernel, "one_row_float32_in_sse_order", lambda: False)
-    assert row_kernel.row_kernel(torch.float32) is None  # nothing built where MKL sums otherwise
+    assert row_kernel.row_kernels(torch.float32) == []  # nothing built where MKL sums otherwise
 
 
 @pytest.mark.parametrize("peel", [1, 2, 3, 4])
@@ -90,7 +115,7 @@ def test_verify_forwards_use_the_kernel_where_it_probes_exact_and_only_there(sim
         return _one_row_products(x, weight)
 
     simulated_kernel(counted)
-    monkeypatch.setattr(exact_verify, "kernel_pays", lambda weight, chunk: True)  # timed below
+    monkeypatch.setattr(exact_verify, "kernel_pays", lambda *timed: True)  # timed below
     model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 16)).to(torch.bfloat16)
     x = torch.randn(2, 5, 32).to(torch.bfloat16)
     with torch.no_grad():
@@ -119,10 +144,12 @@ def test_a_verify_takes_the_kernel_only_where_it_is_faster_than_the_stock_produc
         time.sleep(0.002)
         return rows
 
-    simulated_kernel(slow)
-    assert not exact_verify.kernel_pays(weight, chunk=128) and not exact_verify.kernel_pays(weight, chunk=1)
-    simulated_kernel(lambda x, weight: rows)  # nothing to compute: faster than any product
-    assert exact_verify.kernel_pays(weight, chunk=128) and exact_verify.kernel_pays(weight, chunk=1)
+    def fast(x, weight):  # nothing to compute: faster than any product
+        return rows
+
+    for product_rows in (128, 1):
+        assert not exact_verify.kernel_pays(weight, slow, step_rows=1, product_rows=product_rows)
+        assert exact_verify.kernel_pays(weight, fast, step_rows=2, product_rows=product_rows)
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -153,10 +180,10 @@ def test_one_row_steps_take_the_kernel_only_where_it_probes_exact(simulated_kern
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("offset", [0, 1, 3])  # a float32 weight row's address decides MKL's summation order
 def test_the_built_kernel_rounds_every_row_as_one_row_on_this_machine(dtype, offset):
-    kernel = row_kernel.row_kernel(dtype)
     storage = torch.randn(576 * 200 + offset, generator=torch.Generator().manual_seed(3)).to(dtype)
     weight = storage[offset:].view(576, 200)
-    if kernel is None or not row_kernel.rounds_as_one_row(weight):
+    kernel = row_kernel.exact_row_kernel(weight)
+    if kernel is None:
         pytest.skip(f"no {dtype} row kernel for this CPU ({torch.backends.cpu.get_cpu_capability()}) or build")
     generator = torch.Generator().manual_seed(4)
     for scale in (0.01, 1.0, 100.0):
@@ -169,7 +196,7 @@ def test_the_kernel_is_switched_off_by_its_environment_variable(monkeypatch):
     row_kernel.extension.cache_clear()
     try:
         assert row_kernel.extension() is None
-        assert row_kernel.row_kernel(torch.bfloat16) is None and row_kernel.row_kernel(torch.float32) is None
+        assert row_kernel.row_kernels(torch.bfloat16) == [] and row_kernel.row_kernels(torch.float32) == []
     finally:
         row_kernel.extension.cache_clear()
 
