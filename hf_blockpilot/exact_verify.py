@@ -247,8 +247,11 @@ def _row_exact_forward(module: nn.Linear, chunk: int, step_rows: int, x: torch.T
     return out.reshape(groups * chunk, -1)[:rows].reshape(*x.shape[:-1], -1)
 
 
-def _row_kernel_forward(module: nn.Linear, kernel: RowKernel, x: torch.Tensor) -> torch.Tensor:
-    if not x.numel() or _slot_key_lengths.get() is None:  # a verify forward's only, as above
+def _row_kernel_forward(module: nn.Linear, kernel: RowKernel, as_one_row: bool, x: torch.Tensor) -> torch.Tensor:
+    """`kernel` in a verify forward; a single row through the stock product where that is what the kernel gives it
+    (`as_one_row`: the way a step computes it stays the one the calibration timed)."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if rows == 0 or (rows == 1 and as_one_row) or _slot_key_lengths.get() is None:  # a verify forward's only
         return F.linear(x, module.weight)
     return _kernel_product(kernel, module.weight, x)
 
@@ -451,7 +454,7 @@ def use_row_exact_linears(model: nn.Module, step_rows: int, one_row_steps: str =
         alike = step_rows <= chunk  # a step's product rounds each row as one row
         kernel = exact_row_kernel(module.weight, 1 if alike else step_rows) if module.bias is None else None
         if kernel is not None and kernel_pays(module.weight, kernel, step_rows, chunk if alike else step_rows):
-            module.forward = partial(_row_kernel_forward, module, kernel)
+            module.forward = partial(_row_kernel_forward, module, kernel, alike)
         elif chunk < ROW_PROBE_LIMIT:
             module.forward = partial(_row_exact_forward, module, chunk, step_rows)
         one_row = one_row_product(module, one_row_steps)
