@@ -38,7 +38,10 @@ class CostModel:
     not to give plain decoding's logits bit for bit on this machine and dtype (`probe_exact_verify`; empty: lossless).
     `one_row_steps`: how a single request's one-token steps compute their one-row products, the fastest way the
     calibration timed (`exact_verify.ONE_ROW_STEPS`, all bit-equal: `"stock"`, `"split"` over the threads, or
-    `"kernel"`, `row_kernel`); `target_ms[1]` is the step the loop then takes.
+    `"kernel"`, `row_kernel`); `target_ms[1]` is the step the loop then takes. `batch_steps[B]`: what runs a batch's
+    one-token steps while its B rows are in lockstep, the faster the calibration timed: `"stock"` (the model itself,
+    plain batched decoding's own forward) or `"view"` (the call's exact-path view, bit-equal, on faster kernels where
+    probed so); `batch_target_ms[B][1]` is that step.
     At T>0, `sampling_process_ms` is the logits processors and a softmax on one row,
     `sampling_draw_ms` one multinomial draw from it (on a CPU the draw costs the most).
     """
@@ -53,6 +56,7 @@ class CostModel:
     one_row_steps: str = "stock"  # how a single request's one-token steps compute one-row products (calibrated)
     batch_target_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {tokens a row: ms}
     batch_drafter_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> {slots a row: ms}
+    batch_steps: dict[int, str] = field(default_factory=dict)  # batch size -> what runs its lockstep steps
     prefill_ms: dict[int, float] = field(default_factory=dict)  # batch size -> ms of a context_tokens-a-row prefill
     source: str = field(default="", compare=False)  # where the figures come from (calibration, fallback, file)
 
@@ -151,6 +155,7 @@ class CostModel:
         raw.pop("kernel_rows", None)
         raw["inexact_rows"] = [int(n) for n in raw.get("inexact_rows", [])]
         raw["prefill_ms"] = {int(b): float(ms) for b, ms in raw.get("prefill_ms", {}).items()}
+        raw["batch_steps"] = {int(b): str(way) for b, way in raw.get("batch_steps", {}).items()}
         for axis in ("batch_target_ms", "batch_drafter_ms"):
             raw[axis] = {int(b): {int(k): float(v) for k, v in t.items()} for b, t in raw.get(axis, {}).items()}
         if "split_one_row" in raw:

@@ -83,9 +83,11 @@ def generate(
         )
     warn_if_inexact(controller.cost_model, compiled is not None)
     # compiled forwards take no exact path (warned); a single row's one-token steps run on the view too, where its
-    # one-row products and one-query attention are computed as plain decoding's, faster where calibrated or probed so
+    # one-row products and one-query attention are computed as plain decoding's, faster where calibrated or probed so;
+    # a batch's lockstep steps where the calibration timed the view's faster than the stock model's
     one_row = controller.cost_model.one_row_steps if rows == 1 else "stock"
     view = model if compile else verify_view(model, rows, one_row)
+    steps_on_view = rows == 1 or controller.cost_model.batch_steps.get(rows) == "view"
     decoder = BatchedSpeculativeDecoder(
         view,
         drafter,
@@ -96,7 +98,7 @@ def generate(
         stopping_criteria,
         stream,
         model_kwargs,
-        plain_target=view if rows == 1 else model,
+        plain_target=view if steps_on_view else model,
         prompt_lookup=prompt_lookup,
         compiled=compiled,
         capacity=capacity,

@@ -51,7 +51,7 @@ from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftCo
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 15  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 16  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
@@ -61,11 +61,13 @@ CALIBRATION_VERSION = 15  # 2: half-precision verifies timed with one-token-exac
 # probes exact; 13: bfloat16 verifies through `row_kernel` on avx512_bf16 CPUs (`bf16_pair_rows`) where it pays;
 # 14: a batch's verify slots on SDPA again (13 timed them on the attention kernel, which padded batches do not take);
 # 15: batches timed padded (masked slots in one C++ loop, `exact_verify.slot_calls`), bfloat16 products of a batch's
-# rows on `row_kernel` where it probes exact for products of that many rows
+# rows on `row_kernel` where it probes exact for products of that many rows; 16: a batch's lockstep step timed on the
+# stock model too (`CostModel.batch_steps`)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
-#: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`) only where
-#: the calibration timed them below this fraction of the stock step: a tie is not worth a different path.
+#: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`), and a batch's
+#: lockstep steps the exact view (`CostModel.batch_steps`), only where the calibration timed them below this fraction
+#: of the stock step: a tie is not worth a different path.
 ONE_ROW_STEP_GAIN = 0.97
 #: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
 MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
@@ -248,6 +250,8 @@ class Calibration:
         )
         if cost.device == "cpu":  # where the other ways are timed
             lines.append(f"one-token steps: {cost.one_row_steps} one-row products, the fastest of {ONE_ROW_STEPS}")
+        for batch, way in sorted(cost.batch_steps.items()):
+            lines.append(f"batch {batch}: lockstep steps on the {way} model ({cost.batch_target_ms[batch][1]:.2f} ms)")
         return "\n".join(lines)
 
 
@@ -466,16 +470,20 @@ def calibrate_batch(
     widths: Iterable[int] = DEFAULT_WIDTHS,
     context_tokens: int = 256,
     repeats: int = 3,
-) -> tuple[dict[int, float], dict[int, float], float]:
+) -> tuple[dict[int, float], dict[int, float], float, str]:
     """The batch axis of the cost model at `batch_size` rows: (target ms per n tokens a row, drafter ms per
-    block of b slots a row, the prefill of the rows' contexts), each row after its own `context_tokens`-long cached
-    context, verified as a batched `generate` verifies (on CPU the exact path)."""
+    block of b slots a row, the prefill of the rows' contexts, what runs the lockstep steps), each row after its own
+    `context_tokens`-long cached context, verified as a batched `generate` verifies (on CPU the exact path). The
+    steps run on the exact view only where it beats the stock model's step by `ONE_ROW_STEP_GAIN` (then n = 1 is
+    the view's step, else the stock one)."""
     widths = sorted(set(widths) | {1})
     ms = _forward_ms(target, drafter, widths, context_tokens, repeats, batch_size)
+    way = "view" if ms[("target", 1)] < ONE_ROW_STEP_GAIN * ms["stock step"] else "stock"
     return (
-        {n: ms[("target", n)] for n in widths},
+        {n: ms["stock step" if way == "stock" and n == 1 else ("target", n)] for n in widths},
         {n: ms[("drafter", n)] for n in widths if n > 1},
         ms["prefill"],
+        way,
     )
 
 
@@ -491,7 +499,8 @@ def _forward_ms(
     after a cached context: target forwards over n tokens a row as `generate` verifies (`verify_view`), the
     drafter per width, and for one row the sampling work (one row processed, one draw); on CPU for one row
     the one-token step with split and with kernel one-row products too (`"split step"`, `"kernel step"`, each
-    where some linear takes it: `takes_one_row_products`); and,
+    where some linear takes it: `takes_one_row_products`); for a batch the step on the stock model (`"stock step"`);
+    and,
     timed once, the prefill of that context (`"prefill"`)."""
     device = target.device
     vocab = target.get_input_embeddings().weight.shape[0]
@@ -527,6 +536,8 @@ def _forward_ms(
         fns.update(sampling_process=process_row, sampling_draw=draw)
     model = verify_view(target, batch_size)  # made once, outside the timings
     fns = {("target", n): verify(n, model) for n in widths} | fns
+    if batch_size > 1:  # the lockstep step on the stock model, plain batched decoding's own forward
+        fns["stock step"] = verify(1, target)
     if batch_size == 1 and device.type == "cpu":  # the one-token step with split / kernel one-row products
         ways = [how for how in ONE_ROW_STEPS if how != "stock" and takes_one_row_products(target, how)]
         fns |= {f"{how} step": verify(1, verify_view(target, 1, how)) for how in ways}
@@ -631,6 +642,7 @@ def add_batch_axis(
             cost.batch_target_ms[batch_size],
             cost.batch_drafter_ms[batch_size],
             cost.prefill_ms[batch_size],
+            cost.batch_steps[batch_size],
         ) = calibrate_batch(target, drafter, batch_size, widths, cost.context_tokens)
         logger.info("hf-blockpilot: timed batch %d in %.1f s", batch_size, time.perf_counter() - begin)
         save_calibration(calibration, calibration_path(calibration.fingerprint))

@@ -350,8 +350,10 @@ def test_batch_view_charges_the_batch_total_tokens_unless_timed():
     assert cost.for_batch(4).verify_ms(2) == 20.0 and "timed" in cost.for_batch(4).source
     # between timed sizes (1 and 4): linear in the batch size
     assert cost.for_batch(2).verify_ms(2) == pytest.approx(11.0 + (20.0 - 11.0) / 3)
+    cost.batch_steps[4] = "view"
     again = CostModel.from_dict(cost.to_dict())
     assert again.batch_target_ms == cost.batch_target_ms and again.batch_drafter_ms == cost.batch_drafter_ms
+    assert again.batch_steps == {4: "view"}
     with pytest.raises(ValueError, match="batch_size"):
         cost.for_batch(0)
 
@@ -452,8 +454,22 @@ def test_batched_call_measures_and_caches_the_batch_axis(monkeypatch, tmp_path):
         assert calibration.from_cache and set(calibration.cost_model.batch_target_ms) == {3}
         assert set(calibration.cost_model.batch_target_ms[3]) >= {1, 2, 3}
         assert set(calibration.cost_model.prefill_ms) == {1, 3}  # the prefill timed alone and at the batch size
+        assert calibration.cost_model.batch_steps[3] in ("stock", "view")  # what runs its lockstep steps
     finally:
         device_calibration.forget_resolved()
+
+
+@pytest.mark.parametrize(("view_ms", "way"), [(9.0, "view"), (9.8, "stock"), (11.0, "stock")])
+def test_a_batchs_lockstep_steps_take_the_view_only_where_it_is_timed_clearly_faster(monkeypatch, view_ms, way):
+    """The calibration times a batch's one-token step on the exact view and on the stock model; the view runs the
+    lockstep steps only where it beats the stock step by `ONE_ROW_STEP_GAIN`, and the table's step is the one taken."""
+    from hf_blockpilot import device_calibration
+
+    timed = {("target", 1): view_ms, ("target", 2): 15.0, ("drafter", 2): 2.0, "stock step": 10.0, "prefill": 50.0}
+    monkeypatch.setattr(device_calibration, "_forward_ms", lambda *args, **kwargs: timed)
+    steps, drafts, prefill, chosen = device_calibration.calibrate_batch(None, None, 4, widths=(1, 2))
+    assert chosen == way and steps == {1: view_ms if way == "view" else 10.0, 2: 15.0}
+    assert drafts == {2: 2.0} and prefill == 50.0
 
 
 class Alternating(DraftController):
@@ -592,6 +608,41 @@ def test_plain_steps_of_a_batch_take_the_stock_model_only_in_lockstep(monkeypatc
     assert all(run_cases(8))
     monkeypatch.setattr(batched_module.BatchedSpeculativeDecoder, "_in_lockstep", lambda self: True)
     assert not all(run_cases(8))
+
+
+@pytest.mark.parametrize("way", ["stock", "view"])
+def test_a_batchs_lockstep_steps_run_where_its_calibration_timed_them_faster(monkeypatch, way):
+    """CPU-independent: `CostModel.batch_steps[B]` says what runs a batch's one-token steps while its rows are in
+    lockstep, the stock model or the call's exact view (where the calibration timed it faster); under a kernel that
+    rounds by row count, rows equal plain batched `generate`'s either way."""
+    from torch.nn import functional
+
+    from hf_blockpilot import exact_verify
+
+    batch = 4
+    monkeypatch.setattr(functional, "linear", _rounds_by_row_count(functional.linear, batch))
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
+    target = make_target("llama", vocab_size=VOCAB, hidden_size=HIDDEN, layers=LAYERS, seed=8)
+    drafter = make_drafter(target, block_size=4)
+    on_view = []
+    init = batched_module.BatchedSpeculativeDecoder.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        on_view.append(self.plain_target is self.target)
+
+    monkeypatch.setattr(batched_module.BatchedSpeculativeDecoder, "__init__", recording)
+
+    def plain_steps(ids, mask, eos, expected):  # costs where drafting cannot pay: the batch decodes plain
+        guard = SpeculationGuard(DraftController(4))
+        costs = {1: 1.0, 4: 100.0}
+        guard.use_cost_model(
+            CostModel(target_ms=costs, drafter_ms={4: 50.0}, batch_target_ms={batch: costs}, batch_steps={batch: way})
+        )
+        return generate(target, ids, mask, 24, eos, assistant_model=drafter, draft_controller=guard)
+
+    assert all(_rows_match_plain(target, 8, 400, plain_steps))
+    assert on_view and all(on_view) == (way == "view") and any(on_view) == (way == "view")
 
 
 @pytest.fixture
