@@ -721,11 +721,12 @@ def steps_side_by_side(
     batch_size: int = 1,
     context_tokens: int = 256,
     repeats: int = 5,
-    one_row: Mapping[Any, str] | None = None,
+    ways: Mapping[Any, str] | None = None,
 ) -> dict[Any, float]:
     """Each target's one-token step (ms) over `batch_size` rows after a `context_tokens`-long cached context, as
-    a calibration times `target_ms[1]` (`one_row[key]`: its one-row products so), all of them timed interleaved
-    (`interleaved_median_ms`): their speeds at one moment of the host."""
+    the calibration timed the step its table holds (`ways[key]`: for one row its `one_row_steps`, for a batch its
+    `batch_steps`; "stock" where not given), all of them timed interleaved (`interleaved_median_ms`): their speeds
+    at one moment of the host."""
     generator = torch.Generator().manual_seed(0)
     device = next(iter(targets.values())).device
     batch = f"batch {batch_size} " if batch_size > 1 else ""
@@ -745,8 +746,12 @@ def steps_side_by_side(
             target(context, **{cache_argument(target): prefix}, logits_to_keep=1)
             bar.update()
             token = torch.randint(0, vocab, (batch_size, 1), generator=generator).to(device)
-            view = verify_view(target, batch_size, (one_row or {}).get(key, "stock"))
-            fns[key] = _cached_forward(target, view, prefix, token, context_tokens)
+            way = (ways or {}).get(key, "stock")
+            if batch_size == 1:
+                model = verify_view(target, 1, way)
+            else:
+                model = verify_view(target, batch_size) if way == "view" else target
+            fns[key] = _cached_forward(target, model, prefix, token, context_tokens)
         return interleaved_median_ms(fns, repeats, device, bar)
 
 
@@ -760,7 +765,10 @@ def host_factors(
     than one 20 min later). It is the one-token step timed now, every dtype side by side (`steps_side_by_side`, at
     the calibrations' context), over the step in its table; cached with the calibrations until a table changes."""
     tabled = {_dtype_name(dtype): cost.for_batch(batch_size).verify_ms(1) for dtype, cost in costs.items()}
-    one_row = {_dtype_name(dtype): cost.for_batch(batch_size).one_row_steps for dtype, cost in costs.items()}
+    ways = {  # what each dtype's tabled step was timed on
+        _dtype_name(dtype): cost.one_row_steps if batch_size == 1 else cost.batch_steps.get(batch_size, "stock")
+        for dtype, cost in costs.items()
+    }
     keys = sorted(fingerprint_key(device_fingerprint(*pair)) for pair in pairs.values())
     path = (
         cache_root() / "calibration" / "side-by-side" / f"{fingerprint_key({'pairs': keys, 'batch': batch_size})}.json"
@@ -773,9 +781,7 @@ def host_factors(
     if steps is None:
         context_tokens = max(cost.context_tokens for cost in costs.values()) or 256
         logger.info("hf-blockpilot: timing the %s one-token steps side by side, once", "/".join(tabled))
-        timed = steps_side_by_side(
-            {_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens, one_row=one_row
-        )
+        timed = steps_side_by_side({_dtype_name(d): pairs[d][0] for d in costs}, batch_size, context_tokens, ways=ways)
         steps = {dtype: timed[dtype] for dtype in tabled}
         write_json_atomically(path, {"tabled": tabled, "steps": steps})
     return {dtype: steps[_dtype_name(dtype)] / tabled[_dtype_name(dtype)] for dtype in costs}

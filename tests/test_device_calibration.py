@@ -382,9 +382,9 @@ def test_auto_dtype_compares_the_calibrations_at_one_host_speed(calibrating, mon
     now = {"float32": 10.0, "bfloat16": 9.0}  # the steps timed side by side
     timings = []
 
-    def side_by_side(targets, batch_size, context_tokens, one_row):
+    def side_by_side(targets, batch_size, context_tokens, ways):
         timings.append((sorted(targets), batch_size, context_tokens))
-        assert one_row == {"float32": "stock", "bfloat16": "stock"}  # the steps timed as the tables timed them
+        assert ways == {"float32": "stock", "bfloat16": "stock"}  # the steps timed as the tables timed them
         return now
 
     monkeypatch.setattr(device_calibration, "steps_side_by_side", side_by_side)
