@@ -30,7 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention_kernel import one_query_calls
+from .attention_kernel import exact_parts, one_query_calls
 from .kernel_build import load_kernel
 from .row_kernel import RowKernel, exact_row_kernel
 
@@ -485,6 +485,26 @@ def call_view(model: nn.Module) -> nn.Module:
     return view_of(model)
 
 
+def prepare_attention_kernels(model: PreTrainedModel, batch_size: int) -> None:
+    """Build and probe, before a call decodes, the attention kernels its verify forwards may take for `model`'s head
+    layout (a single row's `attention_kernel.exact_parts`, a batch's `slot_calls_match_sdpa`): a one-time build or
+    probe then never lands inside a round, where the speculation guard's clock would count it as the round's cost."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    if next(model.parameters()).device.type != "cpu" or heads % kv_heads:
+        return
+    if batch_size == 1:
+        if dtype == torch.bfloat16:
+            exact_parts(heads, kv_heads, head_dim)
+    else:  # a padded batch's masked calls pack the query heads of a key/value head (`slotwise_exact_attention`)
+        slot_calls_match_sdpa(dtype, heads, heads // kv_heads, head_dim)
+
+
 def verify_view(target: nn.Module, batch_size: int = 1, one_row_steps: str = "stock") -> nn.Module:
     """What a speculative call verifies with (the one place that decides it; calibration times and probes the
     same): on CPU (`needs_exact_verify`) a `call_view` of `target` on the exact path, `slotwise_exact_attention`
@@ -500,5 +520,6 @@ def verify_view(target: nn.Module, batch_size: int = 1, one_row_steps: str = "st
     sdpa = isinstance(view, PreTrainedModel) and getattr(view.config, "_attn_implementation", None) == "sdpa"
     if sdpa and view._can_set_attn_implementation():  # its attention goes through `AttentionInterface`
         view.set_attn_implementation(SLOTWISE_EXACT_ATTENTION)
+        prepare_attention_kernels(view, batch_size)
     use_row_exact_linears(view, batch_size, one_row_steps if batch_size == 1 else "stock")
     return view
