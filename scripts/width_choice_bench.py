@@ -1,6 +1,7 @@
 """Modeled benchmark of the per-request width choice: the embedded policy with and without the in-request
 correction, every fixed width and plain decoding, on the held-out prompts, under every recorded cost table; and
-the default with a per-request slowdown bound (`SpeculationGuard(max_slowdown=0.05)`).
+the default with a per-request slowdown bound (`SpeculationGuard(max_slowdown=0.05)`) and with a guard that pauses
+drafting at break-even (`pause_margin=0`) rather than a clear loss.
 
 Each held-out prompt's greedy answer is replayed once per drafting width (the drafts the target would accept at
 every position, `DrafterTrainer.draft_acceptance`, float32); the library's own controllers then decode it round by
@@ -143,6 +144,9 @@ def main() -> None:
             f"default{suffix}": SpeculationGuard(PolicyBlockSize(policy), timing="modeled"),
             f"default, uncorrected{suffix}": SpeculationGuard(
                 PolicyBlockSize(policy, correct_width=False), timing="modeled"
+            ),
+            f"default, paused at break-even{suffix}": SpeculationGuard(
+                PolicyBlockSize(policy), timing="modeled", pause_margin=0.0
             ),
             f"policy{suffix}": PolicyBlockSize(policy),
             f"default, max slowdown 5%{suffix}": SpeculationGuard(

@@ -432,7 +432,7 @@ def test_the_guard_judges_a_tau_policy_by_its_corrected_evidence():
     cost = _cost({1: 10.0, 2: 11.0, 4: 12.0, 8: 15.0}, drafter_ms=1.0)
 
     def guarded(inner: DraftController) -> SpeculationGuard:
-        guard = SpeculationGuard(inner, timing="modeled").for_request()
+        guard = SpeculationGuard(inner, timing="modeled", pause_margin=0.0).for_request()
         guard.use_cost_model(cost)
         guard.start(None, None, 0.0)
         return guard

@@ -7,7 +7,13 @@ import torch
 from conftest import ScriptedDrafter, greedy_generate, make_drafter, make_target
 
 from hf_blockpilot import BlockDiffusionDrafter
-from hf_blockpilot.controllers import AdaptiveVerify, DraftController, SpeculationGuard, TauEvidence
+from hf_blockpilot.controllers import (
+    PAUSE_MARGIN,
+    AdaptiveVerify,
+    DraftController,
+    SpeculationGuard,
+    TauEvidence,
+)
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.modeling_block_diffusion import DraftContextCache
 
@@ -26,7 +32,8 @@ def pair(seed: int = 3) -> tuple[torch.nn.Module, BlockDiffusionDrafter, torch.T
 
 
 def guarded(cost: CostModel, **kwargs) -> SpeculationGuard:
-    guard = SpeculationGuard(DraftController(6), **{"timing": "modeled", **kwargs})
+    """A guard on the cost model's clock that pauses at break-even (`pause_margin=0`) unless told otherwise."""
+    guard = SpeculationGuard(DraftController(6), **{"timing": "modeled", "pause_margin": 0.0, **kwargs})
     guard.use_cost_model(cost)
     return guard
 
@@ -117,6 +124,25 @@ def test_the_guard_judges_from_the_first_round_with_its_prior():
     without_prior = guarded(FLAT, prior_rounds=0, probe_rounds=6)
     greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=without_prior)
     assert drafter.last_stats.widths_per_round[1:7] == [6] * 6  # a probe window: six rounds before judging
+
+
+def test_drafting_pauses_only_where_it_loses_by_more_than_the_pause_margin():
+    """Rejected drafts (τ near 1) on FLAT costs lose 1 - 10 / 12 = 17 % to plain steps: within the default margin
+    (0.2) the request keeps drafting, while a guard pausing at break-even, and the default guard where a verify
+    costs 1.5 steps (a 41 % loss), fall back to plain steps within three rounds."""
+    target, drafter, prompt = pair()
+    plain = greedy_generate(target, prompt, 40, None)
+    costly = CostModel(target_ms={1: 10.0, 8: 15.0}, drafter_ms={2: 2.0, 8: 2.0})  # the prior still says it pays
+    paused = {}
+    for name, cost, margin in (("near tie", FLAT, PAUSE_MARGIN), ("at break-even", FLAT, 0.0), ("loss", costly, 0.2)):
+        guard = guarded(cost, pause_margin=margin)
+        assert guard.speculation_can_pay(6)
+        out = greedy_generate(target, prompt, 40, None, assistant_model=drafter, draft_controller=guard)
+        assert torch.equal(out, plain)
+        paused[name] = 1 in drafter.last_stats.widths_per_round[1:5]
+    assert PAUSE_MARGIN == SpeculationGuard(DraftController(6)).pause_margin == 0.2
+    assert drafter.last_stats.tau < 1.2
+    assert paused == {"near tie": False, "at break-even": True, "loss": True}
 
 
 def test_a_round_is_priced_at_the_width_it_drafted():
@@ -258,6 +284,8 @@ def test_a_slowdown_bound_keeps_greedy_output_and_starts_with_plain_steps():
         (dict(decay=1.0), "prior_acceptance"),
         (dict(probe_rounds=0), "prior_acceptance"),
         (dict(prior_rounds=-1), "prior_rounds"),
+        (dict(pause_margin=1.0), "pause_margin in"),
+        (dict(pause_margin=-0.1), "pause_margin in"),
         (dict(timing="guessed"), "timing"),
         (dict(max_slowdown=0.0), "max_slowdown"),
         (dict(max_slowdown=1.0), "max_slowdown"),
