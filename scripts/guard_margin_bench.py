@@ -1,8 +1,8 @@
-"""The speculation guard's pause margin, on real decoding: the embedded pair (prompt lookup on, its policy under
-`AdaptiveVerify`, as `generate` serves it) decodes each held-out prompt greedily with fixed widths, unguarded, and
-guarded at each `--margins` value (`SpeculationGuard(pause_margin=m)`, wall-clock timing as shipped); every request
-is priced by this machine's calibration (`CostModel.modeled_decode_ms`: no host noise), per set against the best
-fixed width. Wall-clock seconds are kept beside.
+"""The speculation guard's pause margin, on real decoding: the embedded pair (prompt lookup on, its policy's
+controller as `generate` serves it, `default_controller`) decodes each held-out prompt greedily with fixed widths,
+unguarded, and guarded at each `--margins` value (`SpeculationGuard(pause_margin=m)`, wall-clock timing as shipped);
+every request is priced by this machine's calibration (`CostModel.modeled_decode_ms`: no host noise), per set
+against the best fixed width. Wall-clock seconds are kept beside.
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/guard_margin_bench.py --limit 8 --out docs/guard-margin-zen4
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hf_blockpilot.controllers import AdaptiveVerify, DraftController, SpeculationGuard
+from hf_blockpilot.controllers import DraftController, SpeculationGuard, default_controller
 from hf_blockpilot.data import chat_inputs
 from hf_blockpilot.data.evaluation_sets import load_prompts
 from hf_blockpilot.device_calibration import resolve_cost_model
@@ -42,11 +42,9 @@ def main() -> None:
     drafter.set_policy(resolve_policy("default", prompt_lookup=True))
     cost = resolve_cost_model(target, drafter, None, max(drafter.policy.candidates))
     methods = {f"b={b}": lambda b=b: DraftController(b) for b in args.block_sizes}
-    methods["unguarded"] = lambda: AdaptiveVerify(policy=drafter.policy)
-    methods |= {
-        f"guard {m:g}": lambda m=m: SpeculationGuard(AdaptiveVerify(policy=drafter.policy), pause_margin=m)
-        for m in args.margins
-    }
+    served = default_controller(drafter).inner  # the policy's controller as `generate` serves it, unguarded
+    methods["unguarded"] = lambda: served
+    methods |= {f"guard {m:g}": lambda m=m: SpeculationGuard(served, pause_margin=m) for m in args.margins}
     results: dict[str, dict[str, list[dict]]] = {}
     for dataset in args.datasets:
         for record in load_prompts(dataset, limit=args.limit):

@@ -1,7 +1,7 @@
 """Modeled benchmark of the per-request width choice: the embedded policy with and without the in-request
 correction, every fixed width and plain decoding, on the held-out prompts, under every recorded cost table; and
-the default with a per-request slowdown bound (`SpeculationGuard(max_slowdown=0.05)`) and with a guard that pauses
-drafting at break-even (`pause_margin=0`) rather than a clear loss.
+the default with a per-request slowdown bound (`SpeculationGuard(max_slowdown=0.05)`) and with other pause margins
+(`--pause-margins`; 0: the guard pauses drafting at break-even rather than at a clear loss).
 
 Each held-out prompt's greedy answer is replayed once per drafting width (the drafts the target would accept at
 every position, `DrafterTrainer.draft_acceptance`, float32); the library's own controllers then decode it round by
@@ -122,6 +122,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/width-choice"))
     parser.add_argument("--tables", nargs="+", default=["../shared/calibrations/*.json", "docs/calibrations/*.json"])
     parser.add_argument(
+        "--pause-margins",
+        type=float,
+        nargs="*",
+        default=[0.0],
+        help="the default's guard also with these pause margins (the shipped one is `PAUSE_MARGIN`)",
+    )
+    parser.add_argument(
         "--policies",
         nargs="+",
         default=["default"],
@@ -145,13 +152,16 @@ def main() -> None:
             f"default, uncorrected{suffix}": SpeculationGuard(
                 PolicyBlockSize(policy, correct_width=False), timing="modeled"
             ),
-            f"default, paused at break-even{suffix}": SpeculationGuard(
-                PolicyBlockSize(policy), timing="modeled", pause_margin=0.0
-            ),
             f"policy{suffix}": PolicyBlockSize(policy),
             f"default, max slowdown 5%{suffix}": SpeculationGuard(
                 PolicyBlockSize(policy), timing="modeled", max_slowdown=0.05
             ),
+        }
+        methods |= {
+            f"default, pause margin {m:g}{suffix}": SpeculationGuard(
+                PolicyBlockSize(policy), timing="modeled", pause_margin=m
+            )
+            for m in args.pause_margins
         }
     served = [name for name in methods if name.startswith("default") and "uncorrected" not in name]
     results = {}
