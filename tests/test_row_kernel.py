@@ -241,3 +241,17 @@ def test_a_build_held_by_another_process_too_long_leaves_the_stock_products(fake
         assert row_kernel.extension() is None
     assert fake_build == []
     assert "not built" in caplog.text
+
+
+def test_two_installs_of_one_source_build_apart(tmp_path, monkeypatch):
+    """Torch's build files name the source's path, so two installs (a checkout and a CI clone, two virtual environments)
+    sharing one build directory would rebuild it in turn: each gets its own; the same install, the same one."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    copies = []
+    for install in ("a", "b"):
+        (tmp_path / install).mkdir()
+        copies.append(tmp_path / install / row_kernel.SOURCE.name)
+        copies[-1].write_text(row_kernel.SOURCE.read_text())
+    first, second = (kernel_build.build_directory(copy, row_kernel.FLAGS) for copy in copies)
+    assert first != second and first.parent == second.parent
+    assert kernel_build.build_directory(copies[0], row_kernel.FLAGS) == first
