@@ -116,6 +116,11 @@ class CostModel:
         costs = [self.modeled_round_ms(block_size, k, temperature) for k in range(block_size)]
         return torch.tensor(costs, dtype=torch.float32, device=device)
 
+    def step_way(self, batch_size: int = 1) -> str:
+        """What runs a one-token step of `batch_size` rows, the way the calibration timed it (its `target_ms[1]`, or
+        `batch_target_ms[B][1]`): a single request's `one_row_steps`, a batch's `batch_steps` ("stock" if untimed)."""
+        return self.one_row_steps if batch_size == 1 else self.batch_steps.get(batch_size, "stock")
+
     def for_batch(self, batch_size: int) -> CostModel:
         """The costs seen from one row of a batch of `batch_size` rows that all draft and verify alike: a round's
         forwards run over every row at once (a plain step is a batched one-token forward), and the sampling work

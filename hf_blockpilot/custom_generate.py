@@ -85,9 +85,9 @@ def generate(
     # compiled forwards take no exact path (warned); a single row's one-token steps run on the view too, where its
     # one-row products and one-query attention are computed as plain decoding's, faster where calibrated or probed so;
     # a batch's lockstep steps where the calibration timed the view's faster than the stock model's
-    one_row = controller.cost_model.one_row_steps if rows == 1 else "stock"
-    view = model if compile else verify_view(model, rows, one_row)
-    steps_on_view = rows == 1 or controller.cost_model.batch_steps.get(rows) == "view"
+    way = controller.cost_model.step_way(rows)
+    view = model if compile else verify_view(model, rows, way if rows == 1 else "stock")
+    steps_on_view = rows == 1 or way == "view"
     decoder = BatchedSpeculativeDecoder(
         view,
         drafter,

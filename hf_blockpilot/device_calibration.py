@@ -765,10 +765,7 @@ def host_factors(
     than one 20 min later). It is the one-token step timed now, every dtype side by side (`steps_side_by_side`, at
     the calibrations' context), over the step in its table; cached with the calibrations until a table changes."""
     tabled = {_dtype_name(dtype): cost.for_batch(batch_size).verify_ms(1) for dtype, cost in costs.items()}
-    ways = {  # what each dtype's tabled step was timed on
-        _dtype_name(dtype): cost.one_row_steps if batch_size == 1 else cost.batch_steps.get(batch_size, "stock")
-        for dtype, cost in costs.items()
-    }
+    ways = {_dtype_name(dtype): cost.step_way(batch_size) for dtype, cost in costs.items()}  # as each was tabled
     keys = sorted(fingerprint_key(device_fingerprint(*pair)) for pair in pairs.values())
     path = (
         cache_root() / "calibration" / "side-by-side" / f"{fingerprint_key({'pairs': keys, 'batch': batch_size})}.json"

@@ -495,14 +495,14 @@ def prepare_attention_kernels(model: PreTrainedModel, batch_size: int) -> None:
         return
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = next(model.parameters()).dtype
-    if next(model.parameters()).device.type != "cpu" or heads % kv_heads:
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or heads % kv_heads:
         return
     if batch_size == 1:
-        if dtype == torch.bfloat16:
+        if weight.dtype == torch.bfloat16:
             exact_parts(heads, kv_heads, head_dim)
     else:  # a padded batch's masked calls pack the query heads of a key/value head (`slotwise_exact_attention`)
-        slot_calls_match_sdpa(dtype, heads, heads // kv_heads, head_dim)
+        slot_calls_match_sdpa(weight.dtype, heads, heads // kv_heads, head_dim)
 
 
 def verify_view(target: nn.Module, batch_size: int = 1, one_row_steps: str = "stock") -> nn.Module:

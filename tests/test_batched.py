@@ -354,6 +354,8 @@ def test_batch_view_charges_the_batch_total_tokens_unless_timed():
     again = CostModel.from_dict(cost.to_dict())
     assert again.batch_target_ms == cost.batch_target_ms and again.batch_drafter_ms == cost.batch_drafter_ms
     assert again.batch_steps == {4: "view"}
+    again.one_row_steps = "kernel"  # what runs a step of B rows, as the calibration timed it
+    assert [again.step_way(b) for b in (1, 2, 4)] == ["kernel", "stock", "view"]
     with pytest.raises(ValueError, match="batch_size"):
         cost.for_batch(0)
 
