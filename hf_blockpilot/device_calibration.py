@@ -51,7 +51,7 @@ from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftCo
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 16  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 17  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
@@ -62,7 +62,9 @@ CALIBRATION_VERSION = 16  # 2: half-precision verifies timed with one-token-exac
 # 14: a batch's verify slots on SDPA again (13 timed them on the attention kernel, which padded batches do not take);
 # 15: batches timed padded (masked slots in one C++ loop, `exact_verify.slot_calls`), bfloat16 products of a batch's
 # rows on `row_kernel` where it probes exact for products of that many rows; 16: a batch's lockstep step timed on the
-# stock model too (`CostModel.batch_steps`)
+# stock model too (`CostModel.batch_steps`); 17: every linear probe also on `row_kernel.order_probe` inputs (an AMX
+# Xeon's products agreed with the native bfloat16 kernel, and its 64 x 64 products of k rows with one row's, on
+# random inputs only)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`), and a batch's

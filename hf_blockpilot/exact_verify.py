@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention_kernel import exact_parts, one_query_calls
 from .kernel_build import load_kernel
-from .row_kernel import RowKernel, exact_row_kernel
+from .row_kernel import RowKernel, exact_row_kernel, order_probe
 
 #: The keys each row of a verify forward attends over (`slot_key_lengths`), in this thread / task.
 _slot_key_lengths: contextvars.ContextVar[tuple[list[int], list[int], bool] | None] = contextvars.ContextVar(
@@ -189,20 +189,26 @@ _PROBED_ROWS = sorted({*range(2, 18), *(1 << i for i in range(5, 8)), *((1 << i)
 def row_exact_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     """The most rows (a power of two up to `ROW_PROBE_LIMIT`; 1: none) for which `F.linear(x, weight, bias)`
     gives every row exactly the result it gives that row alone, probed once per shape, bias, dtype and device on
-    many small inputs (some kernels differ on some inputs only), then three of `ROW_PROBE_LIMIT` rows."""
+    many small inputs (some kernels differ on some inputs only), then three of `ROW_PROBE_LIMIT` rows, and on
+    `order_probe`s of both sizes (a k-row product that sums in another order than one row's agrees with it on
+    random inputs nearly always: an AMX Xeon's 64 x 64 bfloat16 products did on every random probe)."""
     key = _row_exact_key(weight, bias)
     if key not in _row_exact_rows:
         generator = torch.Generator().manual_seed(0)
         exact = ROW_PROBE_LIMIT
         trials = [(SMALL_PROBE_ROWS, 8.0 ** (i % 3 - 1)) for i in range(SMALL_PROBE_TRIALS)]
+        trials += [(ROW_PROBE_LIMIT, 1.0), (ROW_PROBE_LIMIT, 8.0), (ROW_PROBE_LIMIT, 0.125)]
         with torch.no_grad():
-            for rows, scale in trials + [(ROW_PROBE_LIMIT, 1.0), (ROW_PROBE_LIMIT, 8.0), (ROW_PROBE_LIMIT, 0.125)]:
-                x = (scale * torch.randn(rows, weight.shape[1], generator=generator)).to(weight)
-                alone = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(min(rows, exact))])
-                checked = [m for m in _PROBED_ROWS if m <= min(rows, exact)]
-                exact = next(
-                    (m - 1 for m in checked if not torch.equal(F.linear(x[:m], weight, bias), alone[:m])), exact
-                )
+            probes = [
+                ((scale * torch.randn(rows, weight.shape[1], generator=generator)).to(weight), weight)
+                for rows, scale in trials
+            ]
+            probes += [order_probe(weight, rows, generator) for rows in (SMALL_PROBE_ROWS, ROW_PROBE_LIMIT)]
+            for x, w in probes:
+                rows = min(x.shape[0], exact)
+                alone = torch.cat([F.linear(x[i : i + 1], w, bias) for i in range(rows)])
+                checked = [m for m in _PROBED_ROWS if m <= rows]
+                exact = next((m - 1 for m in checked if not torch.equal(F.linear(x[:m], w, bias), alone[:m])), exact)
         _row_exact_rows[key] = exact if exact == ROW_PROBE_LIMIT else 1 << (exact.bit_length() - 1)
     return _row_exact_rows[key]
 
@@ -380,7 +386,8 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def split_parts(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     """How many parts `split_linear` computes a one-row product with `weight` in: PyTorch's thread count (at
     least 2) where that divides the outputs and the split probes to round every output as one-row `F.linear`
-    does (once per shape, bias, dtype, device and parts, on inputs at four scales); 1 (no split) elsewhere."""
+    does (once per shape, bias, dtype, device and parts, on inputs at four scales and an `order_probe`); 1 (no
+    split) elsewhere."""
     parts = max(torch.get_num_threads(), 2)
     if weight.dim() != 2 or weight.shape[0] % parts:
         return 1
@@ -388,12 +395,13 @@ def split_parts(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     if key not in _split_products_exact:
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            inputs = [
-                (scale * torch.randn(1, weight.shape[1], generator=generator)).to(weight)
+            probes = [
+                ((scale * torch.randn(1, weight.shape[1], generator=generator)).to(weight), weight)
                 for scale in SPLIT_PROBE_SCALES
             ]
+            probes.append(order_probe(weight, 1, generator))
             _split_products_exact[key] = all(
-                torch.equal(split_linear(x, weight, bias, parts), F.linear(x, weight, bias)) for x in inputs
+                torch.equal(split_linear(x, w, bias, parts), F.linear(x, w, bias)) for x, w in probes
             )
     return parts if _split_products_exact[key] else 1
 

@@ -42,6 +42,10 @@ NATIVE_BF16_BLOCKS = (512, 1024, 256, 2048)
 #: Rows of the probe's inputs: one-row products to compare against, at three input scales (the kernel's blocks of 4
 #: rows, and each count of rows left over).
 PROBE_ROWS = (6, 7, 5, 32)
+#: The order probe's cancelling inputs (`order_probe`): 1 added to it first is lost in float32's 24-bit significand.
+ORDER_PROBE_MAGNITUDE = 2.0**24
+#: Rows of the order probe's inputs in `exact_row_kernel`.
+ORDER_PROBE_ROWS = 16
 
 RowKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _exact_row_kernels: dict[tuple, RowKernel | None] = {}
@@ -113,9 +117,10 @@ def _pair_rows(module: Any, block: int, x: torch.Tensor, weight: torch.Tensor) -
 def exact_row_kernel(weight: torch.Tensor, rows: int = 1) -> RowKernel | None:
     """The first of `row_kernels` that gives every row of a product with `weight` (bias-free) exactly what
     `F.linear` gives it in a product of `rows` rows (1: alone), probed once per shape, alignment (a float32 row's
-    address decides MKL's order) and `rows`, on inputs at three scales and one spread over many exponents (which
-    tells a sum in blocks of 512 inputs from one in blocks of 1024). `None` for anything but a 2-D contiguous
-    bfloat16 or float32 CPU weight, for a shape no kernel takes, and where no kernel is available."""
+    address decides MKL's order) and `rows`, on inputs at three scales, one spread over many exponents (which
+    tells a sum in blocks of 512 inputs from one in blocks of 1024) and an `order_probe` (which tells any other
+    summation order or internal precision). `None` for anything but a 2-D contiguous bfloat16 or float32 CPU
+    weight, for a shape no kernel takes, and where no kernel is available."""
     key = (weight.data_ptr() % 64, tuple(weight.shape), weight.dtype, weight.device.type, rows)
     if key not in _exact_row_kernels:
         eligible = weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
@@ -127,14 +132,43 @@ def exact_row_kernel(weight: torch.Tensor, rows: int = 1) -> RowKernel | None:
                 x = 8.0 ** (i % 3 - 1) * torch.randn(-(-count // rows) * rows, weight.shape[1], generator=generator)
                 if i == len(PROBE_ROWS) - 1:  # the widest probe: magnitudes over many exponents
                     x = x * torch.exp(2 * torch.randn(x.shape, generator=generator))
-                x = x.to(weight)
-                probes.append((x, torch.cat([F.linear(part, weight) for part in x.split(rows)])))
-            _exact_row_kernels[key] = next((k for k in kernels if _gives(k, weight, probes)), None)
+                probes.append((x.to(weight), weight))
+            if kernels:
+                probes.append(order_probe(weight, -(-ORDER_PROBE_ROWS // rows) * rows, generator))
+            expected = [torch.cat([F.linear(part, w) for part in x.split(rows)]) for x, w in probes]
+            _exact_row_kernels[key] = next((k for k in kernels if _gives(k, probes, expected)), None)
     return _exact_row_kernels[key]
 
 
-def _gives(kernel: RowKernel, weight: torch.Tensor, probes: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def _gives(kernel: RowKernel, probes: list[tuple[torch.Tensor, torch.Tensor]], expected: list[torch.Tensor]) -> bool:
     try:
-        return all(torch.equal(kernel(x, weight), expected) for x, expected in probes)
+        return all(torch.equal(kernel(x, w), out) for (x, w), out in zip(probes, expected, strict=True))
     except RuntimeError:  # a shape the kernel does not take (`bf16_pair_rows`: an odd input count)
         return False
+
+
+def order_probe(weight: torch.Tensor, rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (`rows`, in) and a weight of `weight`'s shape, dtype and address alignment (kernels are chosen by
+    those, not by values) whose products show the order a product sums its inputs in: each output's weight row is
+    1 at three random inputs and 0 elsewhere, each input is +M, -M or 1 (M = `ORDER_PROBE_MAGNITUDE`), so where an
+    output's three are M, -M and 1 it is 1 if M and -M are summed first and 0 if the 1 meets either first (or 1
+    always, at a higher internal precision). Two kernels that sum in different orders agree on random inputs
+    nearly always in bfloat16 (a float32 sum's last bits flip its bfloat16 rounding only within a few ulps of a
+    midpoint: AMX's products and `bf16_pair_rows` differed on 1 of 768 outputs of a real forward, 0 of 6,400
+    random ones); here they differ on about a third of the outputs."""
+    out_features, in_features = weight.shape
+    picks = torch.randint(0, in_features, (out_features, 3), generator=generator)
+    values = torch.zeros(out_features, in_features).scatter_(1, picks, 1.0)
+    levels = torch.tensor([ORDER_PROBE_MAGNITUDE, -ORDER_PROBE_MAGNITUDE, 1.0])
+    x = levels[torch.randint(0, 3, (rows, in_features), generator=generator)]
+    return x.to(weight.dtype), aligned_like(weight, values)
+
+
+def aligned_like(weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor holding `values` in `weight`'s dtype, at an address as far past a 64-byte boundary
+    as `weight`'s (MKL's float32 order depends on it)."""
+    size = weight.element_size()
+    storage = torch.empty(values.numel() + 64 // size, dtype=weight.dtype, device=weight.device)
+    start = (weight.data_ptr() % 64 - storage.data_ptr() % 64) % 64 // size
+    out = storage[start : start + values.numel()].view(values.shape)
+    return out.copy_(values)

@@ -274,6 +274,27 @@ def test_a_request_whose_steps_take_faster_products_stays_plain_generates(monkey
             assert not any(on_stock[1:])  # after the prefill: the view's steps, never the stock model's
 
 
+def test_the_row_probe_catches_several_rows_summed_in_another_order_that_random_inputs_miss(monkeypatch):
+    """CPU-independent: a simulated `F.linear` whose products of several rows sum at a higher precision than one
+    row's agrees with one-row products on random inputs nearly always (an AMX Xeon's 64 x 64 bfloat16 products did
+    on every random probe); `row_exact_rows` still finds it rounds two rows unlike one."""
+    real = F.linear
+
+    def linear(x, weight, bias=None):
+        if x.numel() == x.shape[-1]:
+            return real(x, weight, bias)
+        exact = real(x.double(), weight.double(), None if bias is None else bias.double())
+        return exact.to(x.dtype)
+
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    alone = torch.cat([real(row[None], weight) for row in x])
+    assert (linear(x, weight) == alone).float().mean() > 0.99
+    monkeypatch.setattr(F, "linear", linear)
+    monkeypatch.setattr(exact_verify, "_row_exact_rows", {})
+    assert exact_verify.row_exact_rows(weight) == 1
+
+
 def test_probes_catch_a_linear_that_rounds_differently_for_several_rows(monkeypatch):
     """CPU-independent: a simulated kernel that rounds k rows unlike one is caught by the per-weight probe and by
     calibration's verify probe, the exact path repairs it, and greedy speculative output stays plain's."""

@@ -76,6 +76,46 @@ def test_the_probe_takes_the_first_kernel_that_rounds_as_a_product_of_the_steps_
     assert row_kernel.exact_row_kernel(weight, rows=4) is None
 
 
+def _summed_in_float32_in_order(x: torch.Tensor, weight: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """A product whose every output sums its float32 products one by one, in input order (or reversed)."""
+    products = x.float()[:, None, :] * weight.float()[None]
+    total = products.new_zeros(products.shape[:2])
+    for j in reversed(range(products.shape[-1])) if reverse else range(products.shape[-1]):
+        total = total + products[..., j]
+    return total.to(x.dtype)
+
+
+def _summed_exactly(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight.double().T).to(x.dtype)
+
+
+def test_the_order_probe_refuses_kernels_that_agree_on_random_inputs_but_sum_otherwise(simulated_kernel, monkeypatch):
+    """CPU-independent: against a product that sums in float32 in input order, a kernel summing at a higher precision
+    or in the reverse order agrees on nearly every random bfloat16 output (an AMX Xeon's products and the native
+    bfloat16 kernel differed on 1 of 768 outputs of a real forward), yet the probe refuses both and takes the kernel
+    that sums in the same order."""
+    monkeypatch.setattr(row_kernel, "F", SimpleNamespace(linear=_summed_in_float32_in_order))
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    reverse = functools.partial(_summed_in_float32_in_order, reverse=True)
+    for other in (_summed_exactly, reverse):
+        assert (other(x, weight) == _summed_in_float32_in_order(x, weight)).float().mean() > 0.99
+    simulated_kernel(_summed_exactly, reverse, _summed_in_float32_in_order)
+    assert row_kernel.exact_row_kernel(weight) is _summed_in_float32_in_order
+    simulated_kernel(_summed_exactly, reverse)
+    assert row_kernel.exact_row_kernel(weight) is None
+
+
+def test_the_order_probes_weight_is_aligned_as_the_real_one():
+    generator = torch.Generator().manual_seed(0)
+    for dtype, offset in [(torch.float32, 0), (torch.float32, 3), (torch.bfloat16, 5)]:
+        weight = torch.zeros(40 * 24 + offset, dtype=dtype)[offset:].view(40, 24)
+        x, probe_weight = row_kernel.order_probe(weight, 8, generator)
+        assert probe_weight.data_ptr() % 64 == weight.data_ptr() % 64 and probe_weight.shape == weight.shape
+        assert probe_weight.dtype == x.dtype == dtype and x.shape == (8, 24)
+        assert set(probe_weight.sum(1).tolist()) <= {1.0, 2.0, 3.0}  # 1 at up to three inputs a row
+
+
 def test_no_kernel_for_other_dtypes_nor_for_float32_summed_in_another_order(monkeypatch):
     def no_build():
         raise AssertionError("built")
