@@ -42,8 +42,9 @@ NATIVE_BF16_BLOCKS = (512, 1024, 256, 2048)
 #: Rows of the probe's inputs: one-row products to compare against, at three input scales (the kernel's blocks of 4
 #: rows, and each count of rows left over).
 PROBE_ROWS = (6, 7, 5, 32)
-#: The order probe's cancelling inputs (`order_probe`): 1 added to it first is lost in float32's 24-bit significand.
-ORDER_PROBE_MAGNITUDE = 2.0**24
+#: The order probe's weight entries and large inputs (`order_probe`): their products, +-2^24, lose a 1 added to them
+#: first in float32's 24-bit significand, and each factor (2^12, 2^-12) is exact in float16 and bfloat16 too.
+ORDER_PROBE_SCALE = 2.0**12
 #: Rows of the order probe's inputs in `exact_row_kernel`.
 ORDER_PROBE_ROWS = 16
 
@@ -150,16 +151,16 @@ def _gives(kernel: RowKernel, probes: list[tuple[torch.Tensor, torch.Tensor]], e
 def order_probe(weight: torch.Tensor, rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs (`rows`, in) and a weight of `weight`'s shape, dtype and address alignment (kernels are chosen by
     those, not by values) whose products show the order a product sums its inputs in: each output's weight row is
-    1 at three random inputs and 0 elsewhere, each input is +M, -M or 1 (M = `ORDER_PROBE_MAGNITUDE`), so where an
-    output's three are M, -M and 1 it is 1 if M and -M are summed first and 0 if the 1 meets either first (or 1
-    always, at a higher internal precision). Two kernels that sum in different orders agree on random inputs
-    nearly always in bfloat16 (a float32 sum's last bits flip its bfloat16 rounding only within a few ulps of a
-    midpoint: AMX's products and `bf16_pair_rows` differed on 1 of 768 outputs of a real forward, 0 of 6,400
-    random ones); here they differ on about a third of the outputs."""
+    S at three random inputs and 0 elsewhere, each input is +S, -S or 1 / S (S = `ORDER_PROBE_SCALE`), so where an
+    output's three products are 2^24, -2^24 and 1 it is 1 if the large ones are summed first and 0 if the 1 meets
+    either first (or 1 always, at a higher internal precision). Two kernels that sum in different orders agree on
+    random inputs nearly always in bfloat16 (a float32 sum's last bits flip its bfloat16 rounding only within a few
+    ulps of a midpoint: AMX's products and `bf16_pair_rows` differed on 1 of 768 outputs of a real forward, 0 of
+    6,400 random ones); here they differ on many outputs."""
     out_features, in_features = weight.shape
     picks = torch.randint(0, in_features, (out_features, 3), generator=generator)
-    values = torch.zeros(out_features, in_features).scatter_(1, picks, 1.0)
-    levels = torch.tensor([ORDER_PROBE_MAGNITUDE, -ORDER_PROBE_MAGNITUDE, 1.0])
+    values = torch.zeros(out_features, in_features).scatter_(1, picks, ORDER_PROBE_SCALE)
+    levels = torch.tensor([ORDER_PROBE_SCALE, -ORDER_PROBE_SCALE, 1.0 / ORDER_PROBE_SCALE])
     x = levels[torch.randint(0, 3, (rows, in_features), generator=generator)]
     return x.to(weight.dtype), aligned_like(weight, values)
 

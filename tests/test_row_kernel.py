@@ -113,7 +113,17 @@ def test_the_order_probes_weight_is_aligned_as_the_real_one():
         x, probe_weight = row_kernel.order_probe(weight, 8, generator)
         assert probe_weight.data_ptr() % 64 == weight.data_ptr() % 64 and probe_weight.shape == weight.shape
         assert probe_weight.dtype == x.dtype == dtype and x.shape == (8, 24)
-        assert set(probe_weight.sum(1).tolist()) <= {1.0, 2.0, 3.0}  # 1 at up to three inputs a row
+        scale = row_kernel.ORDER_PROBE_SCALE  # at up to three inputs a row; products +-2^24 and 1, exact in `dtype`
+        assert set((probe_weight.float().sum(1) / scale).tolist()) <= {1.0, 2.0, 3.0}
+        assert set((x.float()[:, None] * probe_weight.float()[None]).unique().tolist()) <= {
+            -(2.0**24),
+            0.0,
+            1.0,
+            2.0**24,
+        }
+    weight = torch.zeros(40, 24, dtype=torch.float16)  # +-2^24 is no float16, yet each factor is
+    x, probe_weight = row_kernel.order_probe(weight, 8, generator)
+    assert torch.isfinite(x).all() and torch.isfinite(probe_weight).all()
 
 
 def test_no_kernel_for_other_dtypes_nor_for_float32_summed_in_another_order(monkeypatch):
