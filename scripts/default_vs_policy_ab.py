@@ -13,8 +13,7 @@ import torch
 
 import hf_blockpilot  # noqa: F401  (routes generate(assistant_model=drafter))
 from hf_blockpilot.controllers import PolicyBlockSize, default_controller
-from hf_blockpilot.data import chat_inputs
-from hf_blockpilot.data.evaluation_sets import load_prompts
+from hf_blockpilot.data import chat_inputs, load_prompts
 from hf_blockpilot.tools.evaluation import timed_generate
 from hf_blockpilot.tools.loading import load_default_target, resolve_drafter, resolve_policy
 
