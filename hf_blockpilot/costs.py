@@ -104,11 +104,19 @@ class CostModel:
         timed = {batch * self.context_tokens: ms for batch, ms in self.prefill_ms.items() if self.context_tokens}
         return _interpolate({1: self.target_ms[1]} | timed if timed else self.target_ms, batch_size * prompt_tokens)
 
-    def request_ms(self, prompt_tokens: int, new_tokens: int, batch_size: int = 1, acceptance: float = 0.0) -> float:
+    def request_ms(
+        self,
+        prompt_tokens: int,
+        new_tokens: int,
+        batch_size: int = 1,
+        acceptance: float = 0.0,
+        temperature: float = 0.0,
+    ) -> float:
         """A whole request's expected time: its prefill, then `new_tokens` tokens a row at the best width's rate
-        when each draft is accepted with probability `acceptance` (0: plain steps)."""
+        when each draft is accepted with probability `acceptance` (0: plain steps), sampling at `temperature`
+        (T > 0: the sampling work of every round counted, `modeled_round_ms`)."""
         view = self.for_batch(batch_size)
-        rate = max(view.tokens_per_ms(w, acceptance) for w in range(1, max(view.target_ms) + 1))
+        rate = max(view.tokens_per_ms(w, acceptance, temperature) for w in range(1, max(view.target_ms) + 1))
         return self.prefill_estimate_ms(prompt_tokens, batch_size) + new_tokens / rate
 
     def round_ms_table(self, block_size: int, temperature: float, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from ._compat import cache_argument, decode_dtypes
+from .controllers import TauEvidence
 from .costs import PRIOR_ACCEPTANCE, CostModel
 from .exact_verify import (
     ONE_ROW_STEPS,
@@ -790,6 +791,24 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@torch.no_grad()
+def request_acceptance(
+    target: PreTrainedModel, drafter: nn.Module, input_ids: torch.Tensor, temperature: float = 0.0
+) -> float:
+    """The per-slot acceptance `--dtype auto` prices a request's drafting at (`preferred_dtype`): the geometric fit
+    (`TauEvidence`) of τ(b) as the drafter's τ policy predicts it from a prefill of `input_ids` (in the pair's
+    dtype) at `temperature`; `PRIOR_ACCEPTANCE` where the drafter has no policy that predicts τ. (On an AMX Xeon
+    bfloat16 verifies are cheap but its plain steps slower than float32's: priced at 0.5 a slot, sampled requests,
+    accepted at ~0.35, went to bfloat16 and ran at 0.66-1.04x plain float32.)"""
+    policy = getattr(drafter, "policy", None)
+    if policy is None or not getattr(policy, "weighs_costs", False):
+        return PRIOR_ACCEPTANCE
+    policy.check_compatible(target, drafter)
+    outputs = target(input_ids, output_hidden_states=True, logits_to_keep=1)
+    _, curve = policy.choose_block_size(outputs, target.get_output_embeddings(), temperature)
+    return TauEvidence(curve).acceptance
+
+
 def preferred_dtype(
     target: PreTrainedModel,
     drafter: nn.Module,
@@ -797,9 +816,12 @@ def preferred_dtype(
     prompt_tokens: int = 64,
     new_tokens: int = 256,
     copies: Mapping[torch.dtype, tuple[PreTrainedModel, nn.Module]] | None = None,
+    temperature: float = 0.0,
+    acceptance: float = PRIOR_ACCEPTANCE,
 ) -> torch.dtype:
     """The dtype `--dtype auto` decodes a request in: `batch_size` rows of `prompt_tokens` (padded) prompt tokens
-    and `new_tokens` new tokens each. Among `decode_dtypes` (float32 and bfloat16 on every CPU, timed rather than
+    and `new_tokens` new tokens each, sampled at `temperature`, its drafts accepted at `acceptance` a slot
+    (`request_acceptance`). Among `decode_dtypes` (float32 and bfloat16 on every CPU, timed rather than
     assumed), the one whose calibration of the pair in that dtype (`copies[dtype]`, else the pair itself if in it,
     else a copy) expects the whole request fastest (`CostModel.request_ms`: the prefill, then its best width, plain
     steps included) among those whose verifies were probed exact, every table brought to one host speed
@@ -823,6 +845,6 @@ def preferred_dtype(
     return min(
         exact,
         key=lambda dtype: (
-            host[dtype] * costs[dtype].request_ms(prompt_tokens, new_tokens, batch_size, PRIOR_ACCEPTANCE)
+            host[dtype] * costs[dtype].request_ms(prompt_tokens, new_tokens, batch_size, acceptance, temperature)
         ),
     )

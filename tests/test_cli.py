@@ -441,25 +441,27 @@ def test_generate_reports_device_dtype_and_cost_source_and_times_both_sides_alik
 
 
 def test_auto_dtype_is_chosen_for_the_prompt_and_answer_length_asked(tmp_path, capsys, monkeypatch):
-    """`generate --dtype auto` asks `preferred_dtype` about this request: its chat prompt's length and
-    `--max-new-tokens` (the prefill and the steps weigh differently per dtype), and decodes in what it answers."""
+    """`generate --dtype auto` asks `preferred_dtype` about this request: its chat prompt's length,
+    `--max-new-tokens` (the prefill and the steps weigh differently per dtype), its temperature and the acceptance
+    its policy predicts for it (none here: the prior), and decodes in what it answers."""
     from hf_blockpilot import device_calibration
+    from hf_blockpilot.costs import PRIOR_ACCEPTANCE
     from hf_blockpilot.data import chat_inputs
     from hf_blockpilot.tools.loading import resolve_target
 
     target_dir, drafter_dir = save_tiny_pair(tmp_path)
     asked = []
 
-    def preferred(target, drafter, batch_size=1, prompt_tokens=64, new_tokens=256):
-        asked.append((batch_size, prompt_tokens, new_tokens))
+    def preferred(target, drafter, batch_size=1, prompt_tokens=64, new_tokens=256, temperature=0.0, acceptance=0.5):
+        asked.append((batch_size, prompt_tokens, new_tokens, temperature, acceptance))
         return torch.bfloat16
 
     monkeypatch.setattr(device_calibration, "preferred_dtype", preferred)
     prompt = "Write a function that reverses a list."
     args = ["generate", prompt, "--target", str(target_dir), "--drafter", str(drafter_dir), "--dtype", "auto"]
-    assert main([*args, "--max-new-tokens", "5", "--no-stream", "--json"]) == 0
+    assert main([*args, "--max-new-tokens", "5", "--temperature", "0.7", "--no-stream", "--json"]) == 0
     _, tokenizer = resolve_target(str(target_dir))
-    assert asked == [(1, chat_inputs(tokenizer, prompt, "cpu").shape[1], 5)]
+    assert asked == [(1, chat_inputs(tokenizer, prompt, "cpu").shape[1], 5, 0.7, PRIOR_ACCEPTANCE)]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "bfloat16"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from conftest import greedy_generate, make_drafter, make_target
 
 from hf_blockpilot import device_calibration, exact_verify
 from hf_blockpilot.controllers import AdaptiveVerify, DraftController
-from hf_blockpilot.costs import CostModel
+from hf_blockpilot.costs import PRIOR_ACCEPTANCE, CostModel
 from hf_blockpilot.device_calibration import (
     calibrate,
     calibration_path,
@@ -324,6 +325,55 @@ def test_auto_dtype_is_chosen_per_batch_size(calibrating, steady_host, monkeypat
     assert device_calibration.preferred_dtype(target, drafter) == torch.bfloat16
     assert device_calibration.preferred_dtype(target, drafter, batch_size=8) == torch.float32
     assert set(asked) == {1, 8}  # the batch axis is timed at the size asked for
+
+
+def test_auto_dtype_prices_a_request_at_the_acceptance_its_policy_predicts_at_its_temperature(
+    calibrating, steady_host, monkeypatch
+):
+    """As on an AMX Xeon: bfloat16 verifies are cheap but its plain steps and drafter slower than float32's, whose
+    verifies are dear. A greedy request its τ policy expects accepted at 0.6 a slot decodes fastest drafting in
+    bfloat16; the same prompt sampled at T = 1, which the policy expects accepted at ~0.17 (sampling work counted),
+    fastest as plain float32 steps; priced at one fixed prior both went to bfloat16."""
+    from hf_blockpilot.policy import PrefillMLPPolicy
+
+    xeon = {  # docs/calibrations/intel-xeon-amx-2core-*.json, rounded
+        torch.float32: CostModel(target_ms={1: 73.0, 2: 116.0, 4: 166.0, 8: 237.0}, drafter_ms={2: 9.6, 8: 16.5}),
+        torch.bfloat16: CostModel(target_ms={1: 96.0, 2: 91.0, 4: 108.0, 8: 128.0}, drafter_ms={2: 21.0, 8: 23.0}),
+    }
+    for cost in xeon.values():
+        cost.sampling_process_ms, cost.sampling_draw_ms = 1.0, 2.5
+    monkeypatch.setattr(
+        device_calibration,
+        "resolve_cost_model",
+        lambda target, drafter, *args, **kwargs: xeon[next(target.parameters()).dtype],
+    )
+    target, drafter = pair()
+    policy = PrefillMLPPolicy(
+        candidates=[1, 2, 4, 8],
+        feature_layers=[0, 1],
+        target_hidden_size=64,
+        target_vocab_size=VOCAB,
+        target_num_layers=target.config.num_hidden_layers,
+        width=8,
+        objective="tau",
+        tau_head="per_slot",
+    ).eval()
+    with torch.no_grad():  # every slot accepted at sigmoid(logit(0.6) - 2 T): 0.6 greedy, ~0.17 at T = 1
+        for linear in (policy.net[-1], policy.scalar_head):
+            linear.weight.zero_()
+            linear.bias.fill_(0.0)
+        policy.scalar_head.bias.fill_(float(torch.logit(torch.tensor(0.6))))
+        policy.scalar_head.weight[:, -1] = -2.0
+    input_ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert device_calibration.request_acceptance(target, drafter, input_ids) == PRIOR_ACCEPTANCE  # no policy
+    drafter.set_policy(policy)
+    greedy = device_calibration.request_acceptance(target, drafter, input_ids, temperature=0.0)
+    sampled = device_calibration.request_acceptance(target, drafter, input_ids, temperature=1.0)
+    assert greedy == pytest.approx(0.6, abs=0.01) and sampled == pytest.approx(0.17, abs=0.01)
+    ask = functools.partial(device_calibration.preferred_dtype, target, drafter, prompt_tokens=64, new_tokens=256)
+    assert ask(temperature=0.0, acceptance=greedy) == torch.bfloat16
+    assert ask(temperature=1.0, acceptance=sampled) == torch.float32
+    assert ask(temperature=1.0) == torch.bfloat16  # the fixed prior (0.5 a slot) would have taken bfloat16
 
 
 def test_a_prefill_is_estimated_from_the_batch_total_tokens():

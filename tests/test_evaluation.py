@@ -11,6 +11,7 @@ import torch
 from conftest import ScriptedDrafter, char_tokenizer, make_target
 
 from hf_blockpilot._compat import decode_dtypes
+from hf_blockpilot.costs import PRIOR_ACCEPTANCE
 from hf_blockpilot.data import PromptRecord, chat_inputs
 from hf_blockpilot.tools.bench import markdown_report
 from hf_blockpilot.tools.evaluation import decode_methods, measure_tau, round_oracle_ms, summarize_methods
@@ -229,8 +230,9 @@ def test_decode_methods_runs_auto_in_the_dtype_generate_would_pick_per_prompt(mo
     lengths = {r.id: chat_inputs(tokenizer, r.prompt, "cpu").shape[1] for r in prompts}
     asked, ran, compared, outputs = [], {}, {}, {}
 
-    def preferred(target_, drafter_, prompt_tokens, new_tokens, copies):
+    def preferred(target_, drafter_, prompt_tokens, new_tokens, copies, temperature, acceptance):
         asked.append((prompt_tokens, new_tokens, sorted(map(str, copies))))
+        assert temperature == 0.0 and acceptance == PRIOR_ACCEPTANCE  # greedy, and no τ policy: the prior
         assert all(next(pair[1].parameters()).dtype == dtype for dtype, pair in copies.items())
         return torch.bfloat16 if prompt_tokens < max(lengths.values()) else torch.float32
 

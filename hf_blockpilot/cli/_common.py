@@ -9,7 +9,7 @@ import math
 import os
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -128,11 +128,12 @@ def load_models(
     args: argparse.Namespace, choose_dtype: bool = True, prompts: Sequence[str] = ()
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, BlockDiffusionDrafter]:
     """Target, tokenizer and drafter (with its policy, where the command has --policy) from the common flags;
-    `--dtype auto` in the dtype expected to answer the command's `prompts` fastest (their median chat length, and
+    `--dtype auto` in the dtype expected to answer the command's `prompts` fastest (their median chat length and
+    median acceptance as the policy predicts it at the command's first temperature, `request_acceptance`, and
     `--max-new-tokens`, see `preferred_dtype`), or float32 without `choose_dtype` (the caller decides later, e.g.
     per batch size)."""
     from ..data import chat_inputs
-    from ..device_calibration import preferred_dtype
+    from ..device_calibration import preferred_dtype, request_acceptance
     from ..tools.loading import (
         checked_source,
         resolve_drafter,
@@ -148,20 +149,25 @@ def load_models(
     auto = args.dtype == "auto"  # decided below, by this machine's calibration
     target, tokenizer = resolve_target(args.target, dtype="float32" if auto else args.dtype, device=args.device)
     drafter = resolve_drafter(args.drafter, dtype="float32" if auto else args.dtype, device=args.device)
-    if auto and choose_dtype:
-        request = {"new_tokens": args.max_new_tokens} if hasattr(args, "max_new_tokens") else {}
-        if prompts:
-            lengths = [chat_inputs(tokenizer, prompt, "cpu").shape[1] for prompt in prompts]
-            request["prompt_tokens"] = int(statistics.median(lengths))
-        chosen = preferred_dtype(target, drafter, **request)
-        target.to(chosen)
-        drafter.to(chosen)
     drafter.prompt_lookup = getattr(args, "prompt_lookup", False)
     if getattr(args, "use_policy", None) is not None:
         # the embedded policy only belongs to the embedded pair
         default_pair = args.target is None and args.drafter is None
         choice = args.use_policy if args.use_policy != "default" or default_pair else None
         drafter.set_policy(resolve_policy(choice, device=args.device, prompt_lookup=drafter.prompt_lookup))
+    if auto and choose_dtype:
+        request: dict[str, Any] = {"new_tokens": args.max_new_tokens} if hasattr(args, "max_new_tokens") else {}
+        first = (getattr(args, "temperatures", None) or [0.0])[0]
+        request["temperature"] = args.temperature if hasattr(args, "temperature") else first
+        if prompts:
+            inputs = [chat_inputs(tokenizer, prompt, target.device) for prompt in prompts]
+            request["prompt_tokens"] = int(statistics.median(ids.shape[1] for ids in inputs))
+            request["acceptance"] = statistics.median(
+                request_acceptance(target, drafter, ids, request["temperature"]) for ids in inputs
+            )
+        chosen = preferred_dtype(target, drafter, **request)
+        target.to(chosen)
+        drafter.to(chosen)
     return target, tokenizer, drafter
 
 

@@ -25,7 +25,7 @@ from ..controllers import (
 )
 from ..costs import CostModel
 from ..data import PromptRecord, chat_inputs
-from ..device_calibration import preferred_dtype, timed
+from ..device_calibration import preferred_dtype, request_acceptance, timed
 from ..modeling_block_diffusion import BlockDiffusionDrafter
 from ..stats import SpeculationStats
 
@@ -286,7 +286,8 @@ def decode_methods(
     verified (`policy`, if given), `default` (what `generate` runs with no `draft_controller`:
     `default_controller(drafter)`) and each named controller, every one passed per call as `draft_controller`
     (the drafter itself is left untouched). `auto_dtype`: also `auto`, the default in the dtype `generate --dtype
-    auto` picks for each prompt (`preferred_dtype`, from its length and `max_new_tokens`), its output compared
+    auto` picks for each prompt (`preferred_dtype`, from its length, `max_new_tokens`, the temperature and the
+    policy's predicted acceptance, `request_acceptance`), its output compared
     with plain in that dtype.
 
     Real end-to-end decoding (no recorded lookups); time is the median over `repeats`, taken round-robin over
@@ -331,7 +332,13 @@ def decode_methods(
         }
         if auto_dtype:
             dtype = preferred_dtype(
-                target, drafter, prompt_tokens=input_ids.shape[1], new_tokens=max_new_tokens, copies=pairs
+                target,
+                drafter,
+                prompt_tokens=input_ids.shape[1],
+                new_tokens=max_new_tokens,
+                copies=pairs,
+                temperature=temperature,
+                acceptance=request_acceptance(target, drafter, input_ids, temperature),
             )
             pair_target, pair_drafter = pairs[dtype]
             calls["auto"] = functools.partial(
