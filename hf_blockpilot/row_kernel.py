@@ -3,13 +3,14 @@ one-row product rounds it (or, native bfloat16, as its product of a batch's rows
 
 bfloat16: on CPUs without bfloat16 matrix instructions PyTorch computes a product of k rows as k one-row dot-product
 passes, so a k-token verify costs nearly k plain steps; on CPUs with avx512_bf16 oneDNN's k-row products round
-otherwise where the inputs exceed 512 (a down projection), so the exact path ran those row by row. float32: where
-MKL's one-row product takes its SSE path (the AMD EPYCs seen), its k-row products round otherwise, so the exact path
-ran k one-row products, k passes over the weight. `kernels/linear_rows.cpp` does each row's operations in the order
-of the one-row product but reads the weight once for all rows. It is built at first use (a C++ compiler and ninja,
-with `torch.utils.cpp_extension`, cached per machine and torch version) and used for a weight only where it probes
-bit-equal to `F.linear` (`exact_row_kernel`) and, on the exact path, faster than the stock products
-(`exact_verify.kernel_pays`); everywhere else, or with `HF_BLOCKPILOT_ROW_KERNEL=0`, the stock products serve.
+otherwise where the inputs exceed 512 (a down projection), so the exact path ran those row by row. float32: MKL's
+k-row products round otherwise than its one-row product, whether that takes its SSE path (the AMD EPYCs seen) or its
+AVX-512 one (an AMX Xeon), so the exact path ran k one-row products, k passes over the weight.
+`kernels/linear_rows.cpp` does each row's operations in the order of the one-row product but reads the weight once
+for all rows. It is built at first use (a C++ compiler and ninja, with `torch.utils.cpp_extension`, cached per
+machine and torch version) and used for a weight only where it probes bit-equal to `F.linear` (`exact_row_kernel`)
+and, on the exact path, faster than the stock products (`exact_verify.kernel_pays`); everywhere else, or with
+`HF_BLOCKPILOT_ROW_KERNEL=0`, the stock products serve.
 docs/exactness.md has the measurements.
 """
 
@@ -92,8 +93,9 @@ def one_row_float32_in_sse_order() -> bool:
 
 def row_kernels(dtype: torch.dtype) -> list[RowKernel]:
     """The kernels `exact_row_kernel` probes for `dtype`, in order: bfloat16 with this CPU's lane layout, or with
-    native bfloat16 instructions (AVX-512 CPUs that have them) one per block of `NATIVE_BF16_BLOCKS`; float32 where
-    `one_row_float32_in_sse_order`; none for other dtypes, where none holds, or where `extension` is not available."""
+    native bfloat16 instructions (AVX-512 CPUs that have them) one per block of `NATIVE_BF16_BLOCKS`; float32:
+    `f32_rows` where `one_row_float32_in_sse_order`, and on AVX-512 CPUs `f32_rows16` (MKL's AVX-512 one-row order,
+    an AMX Xeon's); none for other dtypes, where none holds, or where `extension` is not available."""
     if dtype == torch.bfloat16:
         capability = torch.backends.cpu.get_cpu_capability()
         width = LANE_WIDTHS.get(capability)
@@ -106,8 +108,11 @@ def row_kernels(dtype: torch.dtype) -> list[RowKernel]:
             return [functools.partial(_pair_rows, module, block) for block in NATIVE_BF16_BLOCKS]
         return []
     if dtype == torch.float32:
-        module = extension() if one_row_float32_in_sse_order() else None
-        return [] if module is None else [module.f32_rows]
+        sse = one_row_float32_in_sse_order()
+        module = extension() if sse or torch.backends.cpu.get_cpu_capability() == "AVX512" else None
+        if module is None:
+            return []
+        return ([module.f32_rows] if sse else []) + ([module.f32_rows16] if module.has_f32_rows16() else [])
     return []
 
 

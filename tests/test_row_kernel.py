@@ -133,7 +133,45 @@ def test_no_kernel_for_other_dtypes_nor_for_float32_summed_in_another_order(monk
     monkeypatch.setattr(row_kernel, "extension", no_build)
     assert row_kernel.row_kernels(torch.float16) == []
     monkeypatch.setattr(row_kernel, "one_row_float32_in_sse_order", lambda: False)
-    assert row_kernel.row_kernels(torch.float32) == []  # nothing built where MKL sums otherwise
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert row_kernel.row_kernels(torch.float32) == []  # nothing built where MKL sums otherwise and no AVX-512
+    built = SimpleNamespace(f32_rows="sse", f32_rows16="avx512", has_f32_rows16=lambda: True)
+    monkeypatch.setattr(row_kernel, "extension", lambda: built)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert row_kernel.row_kernels(torch.float32) == ["avx512"]  # MKL's AVX-512 order, left to the probes
+    monkeypatch.setattr(row_kernel, "one_row_float32_in_sse_order", lambda: True)
+    assert row_kernel.row_kernels(torch.float32) == ["sse", "avx512"]
+
+
+def _sizes_of_the_sums_holding_input_0_and(kernel, inputs: int, offset: int = 0) -> list[int]:
+    """For each j >= 1: how many inputs the smallest partial sum holding inputs 0 and j holds (FPRev: a weight of
+    ones, +M at input 0 and -M at j, M = 2^40 absorbs every one added to a sum holding only one of them)."""
+    sizes = []
+    weight = torch.ones(8 * inputs + offset)[offset:].view(8, inputs)
+    for j in range(1, inputs):
+        x = torch.ones(1, inputs)
+        x[0, 0], x[0, j] = 2.0**40, -(2.0**40)
+        sizes.append(int(inputs - kernel(x, weight)[0, 0]))
+    return sizes
+
+
+def test_the_avx512_float32_kernel_sums_in_its_documented_order():
+    """`f32_rows16` as `kernels/linear_rows.cpp` documents it, whatever MKL does here: input 0 seeds lane 0, inputs
+    1.. go to lane (j - 1) % 16, lanes summed by halves, the 15 inputs past the last whole vector (j >= 49 of 64)
+    in a vector of their own seeded with that sum."""
+    module = row_kernel.extension()
+    if module is None or not module.has_f32_rows16():
+        pytest.skip(f"no AVX-512 float32 row kernel for this CPU ({torch.backends.cpu.get_cpu_capability()})")
+
+    def lanes_joined(lane: int) -> int:  # lanes of the halves-tree node joining lanes 0 and `lane` > 0
+        return 16 // (lane & -lane)  # (l, l + 8) join first: 2 lanes; then (l, l + 4): 4; (l, l + 2): 8; all 16
+
+    # inputs 1..48: 3 whole vectors, 3 inputs a lane (lane 0: input 0 first, then 1, 17, 33)
+    expected = [2 + (j - 1) // 16 if (j - 1) % 16 == 0 else 1 + 3 * lanes_joined((j - 1) % 16) for j in range(1, 49)]
+    # inputs 49..63: one input a lane (15 lanes), lane 0 seeded with the first 49 inputs' sum
+    expected += [50 if j == 49 else 49 + min(lanes_joined(j - 49), 15) for j in range(49, 64)]
+    for offset in (0, 1, 3):  # unlike MKL's SSE path, not by the weight's alignment
+        assert _sizes_of_the_sums_holding_input_0_and(module.f32_rows16, 64, offset) == expected
 
 
 @pytest.mark.parametrize("peel", [1, 2, 3, 4])

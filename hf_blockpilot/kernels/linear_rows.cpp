@@ -300,6 +300,105 @@ torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
   return result;
 }
 
+#if defined(__AVX512F__)
+namespace {
+
+// A 16-lane vector summed by halves: lanes (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1).
+inline float halves(__m512 v) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// R input rows x[0..R) against one weight row w -> y[r * stride], each in MKL's AVX-512 one-row order.
+template <int R>
+inline void rows16(const float* const* x, const float* w, int64_t len, float* y, int64_t stride) {
+  if (len == 0) {
+    for (int r = 0; r < R; ++r) y[r * stride] = 0.0f;
+    return;
+  }
+  const int64_t vectors = (len - 1) / 16, left = (len - 1) - 16 * vectors;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(w[0] * x[r][0]));
+  for (int64_t v = 0; v < vectors; ++v) {
+    const __m512 wv = _mm512_loadu_ps(w + 1 + 16 * v);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + 1 + 16 * v), acc[r]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+  const __m512 wv = _mm512_maskz_loadu_ps(mask, w + 1 + 16 * vectors);
+  for (int r = 0; r < R; ++r) {
+    float sum = halves(acc[r]);
+    if (left) {
+      const __m512 seeded = _mm512_maskz_mov_ps(1, _mm512_set1_ps(sum));
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x[r] + 1 + 16 * vectors);
+      sum = halves(_mm512_mask3_fmadd_ps(wv, xv, seeded, mask));
+    }
+    y[r * stride] = sum;
+  }
+}
+
+}  // namespace
+#endif
+
+// x: (rows, in) float32, weight: (out, in) float32, contiguous -> (rows, out), each row as MKL's one-row product
+// rounds it on AVX-512 CPUs where it takes this path (an AMX Xeon, family 6 model 167: found by summing +M, -M and
+// ones, docs/exactness.md): per output, lane 0 of 16 starts at the first input's product, the next whole 16-input
+// vectors are fused-multiply-added lane by lane, the lanes summed by halves (`halves`); the 1 to 15 inputs left are
+// fused-multiply-added into a fresh vector whose lane 0 holds that sum, summed by halves again. Each weight row is
+// read from memory once and stays in L1 for every input row.
+torch::Tensor f32_rows16(const torch::Tensor& x, const torch::Tensor& weight) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (rows, in), (out, in)");
+  TORCH_CHECK(weight.is_contiguous(), "a contiguous weight");
+  auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1), out = weight.size(0);
+  auto result = torch::empty({rows, out}, x.options());
+  const float* xs = xc.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  float* ys = result.data_ptr<float>();
+#ifdef _OPENMP
+  omp_set_num_threads(at::get_num_threads());
+#endif
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    const float* xr[8];
+    for (int64_t n = begin; n < end; ++n) {
+      const float* w = ws + n * in;
+      int64_t r = 0;
+      for (; r + 8 <= rows; r += 8) {
+        for (int q = 0; q < 8; ++q) xr[q] = xs + (r + q) * in;
+        rows16<8>(xr, w, in, ys + r * out + n, out);
+      }
+      for (int q = 0; r + q < rows; ++q) xr[q] = xs + (r + q) * in;
+      switch (rows - r) {
+        case 7: rows16<7>(xr, w, in, ys + r * out + n, out); break;
+        case 6: rows16<6>(xr, w, in, ys + r * out + n, out); break;
+        case 5: rows16<5>(xr, w, in, ys + r * out + n, out); break;
+        case 4: rows16<4>(xr, w, in, ys + r * out + n, out); break;
+        case 3: rows16<3>(xr, w, in, ys + r * out + n, out); break;
+        case 2: rows16<2>(xr, w, in, ys + r * out + n, out); break;
+        case 1: rows16<1>(xr, w, in, ys + r * out + n, out); break;
+        default: break;
+      }
+    }
+  });
+  return result;
+#else
+  TORCH_CHECK(false, "built without avx512f");
+#endif
+}
+
+// Whether this build has `f32_rows16` (compiled for a CPU with avx512f).
+bool has_f32_rows16() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX512BF16__)
 namespace {
 
@@ -408,4 +507,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_pair_rows", &has_bf16_pair_rows);
   m.def("bf16_rows", &bf16_rows);
   m.def("f32_rows", &f32_rows);
+  m.def("f32_rows16", &f32_rows16);
+  m.def("has_f32_rows16", &has_f32_rows16);
 }
