@@ -312,6 +312,8 @@ inline float halves(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+constexpr int64_t kAhead = 4;  // weight rows the loads prefetch ahead
+
 // R input rows x[0..R) against one weight row w -> y[r * stride], each in MKL's AVX-512 one-row order.
 template <int R>
 inline void rows16(const float* const* x, const float* w, int64_t len, float* y, int64_t stride) {
@@ -323,6 +325,7 @@ inline void rows16(const float* const* x, const float* w, int64_t len, float* y,
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(w[0] * x[r][0]));
   for (int64_t v = 0; v < vectors; ++v) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * v + kAhead * len), _MM_HINT_T0);  // rows ahead, from memory
     const __m512 wv = _mm512_loadu_ps(w + 1 + 16 * v);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + 1 + 16 * v), acc[r]);
   }
