@@ -265,23 +265,41 @@ inline void outputs(const float* xs, int64_t rows, const float* const* w, int64_
     default: break;
   }
 }
-}  // namespace
 
-// x: (rows, in) float32, weight: (out, in) float32, contiguous.
-torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+// A float32 product's operands: x (rows, in), weight (out, in), result y (rows, out), all contiguous.
+struct F32Product {
+  const float* xs;
+  int64_t rows, in;
+  const float* ws;
+  float* ys;
+  int64_t out;
+};
+
+// The frame both float32 kernels share: the checks, the result, and `body(product, begin, end)` for the weight rows
+// [begin, end), spread over torch's threads.
+template <typename Body>
+torch::Tensor f32_product(const torch::Tensor& x, const torch::Tensor& weight, const Body& body) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (rows, in), (out, in)");
   TORCH_CHECK(weight.is_contiguous(), "a contiguous weight");
   auto xc = x.contiguous();
-  const int64_t rows = xc.size(0), in = xc.size(1), out = weight.size(0);
-  auto result = torch::empty({rows, out}, x.options());
-  const float* xs = xc.data_ptr<float>();
-  const float* ws = weight.data_ptr<float>();
-  float* ys = result.data_ptr<float>();
+  auto result = torch::empty({xc.size(0), weight.size(0)}, x.options());
+  const F32Product p{xc.data_ptr<float>(), xc.size(0), xc.size(1), weight.data_ptr<float>(), result.data_ptr<float>(),
+                     weight.size(0)};
 #ifdef _OPENMP
   omp_set_num_threads(at::get_num_threads());
 #endif
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.out, 16, [&](int64_t begin, int64_t end) { body(p, begin, end); });
+  return result;
+}
+}  // namespace
+
+// x: (rows, in) float32, weight: (out, in) float32, contiguous.
+torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  return f32_product(x, weight, [](const F32Product& p, int64_t begin, int64_t end) {
+    const float *xs = p.xs, *ws = p.ws;
+    const int64_t rows = p.rows, in = p.in, out = p.out;
+    float* ys = p.ys;
     int64_t n = begin;
     for (; n + 4 <= end; n += 4) {
       const float* w[4] = {ws + n * in, ws + (n + 1) * in, ws + (n + 2) * in, ws + (n + 3) * in};
@@ -297,7 +315,6 @@ torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
       outputs<1>(xs, rows, w, in, peel_of(w[0]), ys + n, out);
     }
   });
-  return result;
 }
 
 #if defined(__AVX512F__)
@@ -353,19 +370,10 @@ inline void rows16(const float* const* x, const float* w, int64_t len, float* y,
 // read from memory once and stays in L1 for every input row.
 torch::Tensor f32_rows16(const torch::Tensor& x, const torch::Tensor& weight) {
 #if defined(__AVX512F__)
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (rows, in), (out, in)");
-  TORCH_CHECK(weight.is_contiguous(), "a contiguous weight");
-  auto xc = x.contiguous();
-  const int64_t rows = xc.size(0), in = xc.size(1), out = weight.size(0);
-  auto result = torch::empty({rows, out}, x.options());
-  const float* xs = xc.data_ptr<float>();
-  const float* ws = weight.data_ptr<float>();
-  float* ys = result.data_ptr<float>();
-#ifdef _OPENMP
-  omp_set_num_threads(at::get_num_threads());
-#endif
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+  return f32_product(x, weight, [](const F32Product& p, int64_t begin, int64_t end) {
+    const float *xs = p.xs, *ws = p.ws;
+    const int64_t rows = p.rows, in = p.in, out = p.out;
+    float* ys = p.ys;
     const float* xr[8];
     for (int64_t n = begin; n < end; ++n) {
       const float* w = ws + n * in;
@@ -387,7 +395,6 @@ torch::Tensor f32_rows16(const torch::Tensor& x, const torch::Tensor& weight) {
       }
     }
   });
-  return result;
 #else
   TORCH_CHECK(false, "built without avx512f");
 #endif
