@@ -52,7 +52,7 @@ from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftCo
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 18  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 19  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
@@ -66,7 +66,8 @@ CALIBRATION_VERSION = 18  # 2: half-precision verifies timed with one-token-exac
 # stock model too (`CostModel.batch_steps`); 17: every linear probe also on `row_kernel.order_probe` inputs (an AMX
 # Xeon's products agreed with the native bfloat16 kernel, and its 64 x 64 products of k rows with one row's, on
 # random inputs only); 18: float32 verifies through `row_kernel.f32_rows16` (MKL's AVX-512 one-row order) where it
-# probes exact and pays
+# probes exact and pays; 19: one-query float32 attention (steps and verify slots) on `attention_kernel` where it
+# probes exact
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`), and a batch's

@@ -59,7 +59,7 @@ def slotwise_exact_attention(
     (`slot_key_lengths`). A row's padding slots are skipped (left zero). The prefill, a one-token step of rows of one
     length, and forwards outside `slot_key_lengths` keep the stock path. Wherever one row's unmasked query is computed
     alone (a single row's one-token step or verify slots), `attention_kernel.one_query_calls` computes it in one call
-    where it probes bit-equal to SDPA (bfloat16 on AVX-512 CPUs), faster."""
+    where it probes bit-equal to SDPA (bfloat16 or float32 on AVX-512 CPUs), faster."""
     plan = _slot_key_lengths.get()
     q_len = query.shape[2]
     stock_call = (
@@ -507,8 +507,7 @@ def prepare_attention_kernels(model: PreTrainedModel, batch_size: int) -> None:
     if weight.device.type != "cpu" or heads % kv_heads:
         return
     if batch_size == 1:
-        if weight.dtype == torch.bfloat16:
-            exact_parts(heads, kv_heads, head_dim)
+        exact_parts(heads, kv_heads, head_dim, weight.dtype)
     else:  # a padded batch's masked calls pack the query heads of a key/value head (`slotwise_exact_attention`)
         slot_calls_match_sdpa(weight.dtype, heads, heads // kv_heads, head_dim)
 

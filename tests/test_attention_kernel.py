@@ -1,5 +1,6 @@
-"""The one-query bfloat16 attention kernel: used only where it probes bit-equal to PyTorch's SDPA (a simulated kernel
-that rounds otherwise must be caught, on any CPU), and where it is used, plain `generate`'s greedy output stays."""
+"""The one-query attention kernel (bfloat16 and float32): used only where it probes bit-equal to PyTorch's SDPA (a
+simulated kernel that rounds otherwise must be caught, on any CPU), and where it is used, plain `generate`'s greedy
+output stays."""
 
 from __future__ import annotations
 
@@ -16,28 +17,29 @@ def _sdpa(query, key, value, scale, parts):
 
 
 def _one_ulp_up_at(keys: int):
-    """SDPA, but one output one bfloat16 step up wherever the call has `keys` keys."""
+    """SDPA, but one output one step up (in its dtype) wherever the call has `keys` keys."""
 
     def kernel(query, key, value, scale, parts):
         out = _sdpa(query, key, value, scale, parts)
         if key.shape[2] == keys:
             out = out.clone()
-            out.view(torch.int16)[0, 0, 0, 0] += 1
+            out.view(torch.int16 if out.dtype == torch.bfloat16 else torch.int32)[0, 0, 0, 0] += 1
         return out
 
     return kernel
 
 
-def test_the_probe_takes_a_kernel_only_where_it_gives_sdpas_bits():
-    assert attention_kernel.probe_parts(_sdpa, 9, 3, 64) == attention_kernel.PARTS[0]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_probe_takes_a_kernel_only_where_it_gives_sdpas_bits(dtype):
+    assert attention_kernel.probe_parts(_sdpa, 9, 3, 64, dtype) == attention_kernel.PARTS[0]
     for keys in (attention_kernel.PROBE_KEYS[-1], attention_kernel.ADVERSARIAL_KEYS[-1]):
-        assert attention_kernel.probe_parts(_one_ulp_up_at(keys), 9, 3, 64) is None, keys
+        assert attention_kernel.probe_parts(_one_ulp_up_at(keys), 9, 3, 64, dtype) is None, keys
 
     def right_with_two_parts(query, key, value, scale, parts):
         wrong = _one_ulp_up_at(key.shape[2])
         return (_sdpa if parts == 2 else wrong)(query, key, value, scale, parts)
 
-    assert attention_kernel.probe_parts(right_with_two_parts, 4, 2, 16) == 2
+    assert attention_kernel.probe_parts(right_with_two_parts, 4, 2, 16, dtype) == 2
 
 
 def test_the_adversarial_values_show_the_summation_order():
@@ -54,9 +56,10 @@ def test_the_adversarial_values_show_the_summation_order():
     assert not torch.equal(forward, backward)  # the order shows
 
 
-def test_the_kernel_serves_only_one_rows_unmasked_bfloat16_queries():
+def test_the_kernel_serves_only_one_rows_unmasked_bfloat16_or_float32_queries():
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
-    assert attention_kernel.one_query_calls(q, k, v, None) is None  # float32
+    assert attention_kernel.one_query_calls(*(t.double() for t in (q, k, v)), None) is None  # float64
+    assert attention_kernel.one_query_calls(q, k.bfloat16(), v.bfloat16(), None) is None  # mixed dtypes
     bf = [t.bfloat16() for t in (q, k, v)]
     assert attention_kernel.one_query_calls(*(t.expand(2, -1, -1, -1) for t in bf), None) is None  # two rows
     assert attention_kernel.one_query_calls(bf[0].expand(1, 4, 11, 16), *bf[1:], None) is None  # more than the keys
@@ -76,25 +79,26 @@ def test_the_kernel_is_switched_off_by_its_environment_variable(monkeypatch):
         attention_kernel.extension.cache_clear()
 
 
-def _exact_here(heads: int, kv_heads: int, head_dim: int) -> int:
-    parts = attention_kernel.exact_parts(heads, kv_heads, head_dim)
+def _exact_here(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    parts = attention_kernel.exact_parts(heads, kv_heads, head_dim, dtype)
     if parts is None:
         pytest.skip("no exact one-query attention kernel on this CPU (not AVX-512, not built, or not bit-equal)")
     return parts
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_kernel_gives_sdpas_bits_over_slices_of_a_cache(threads):
+def test_the_kernel_gives_sdpas_bits_over_slices_of_a_cache(threads, dtype):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _exact_here(9, 3, 64)
+        _exact_here(9, 3, 64, dtype)
         generator = torch.Generator().manual_seed(threads)
-        cache = torch.randn(2, 1, 3, 520, 64, generator=generator).bfloat16()  # keys and values, room to spare
-        for keys in (1, 4, 15, 16, 33, 100, 257, 512):
+        cache = torch.randn(2, 1, 3, 520, 64, generator=generator).to(dtype)  # keys and values, room to spare
+        for keys in (1, 2, 3, 4, 7, 15, 16, 33, 100, 257, 511, 512):  # float32: 1-3 keys past a group of four
             for scale in (0.5, 4.0):  # peaky weights: the exponentials' sum order shows
                 for queries in {1, min(keys, 5)}:  # a step; a verify's slots, each over the keys up to it
-                    q = (scale * torch.randn(1, 9, queries, 64, generator=generator)).bfloat16()
+                    q = (scale * torch.randn(1, 9, queries, 64, generator=generator)).to(dtype)
                     k, v = cache[0, :, :, :keys], cache[1, :, :, :keys]
                     expected = attention_kernel._one_query_calls(q, k, v, 0.125)
                     got = attention_kernel.one_query_calls(q, k, v, 0.125)
@@ -103,9 +107,10 @@ def test_the_kernel_gives_sdpas_bits_over_slices_of_a_cache(threads):
         torch.set_num_threads(previous)
 
 
-def test_greedy_output_stays_plain_generates_where_steps_and_slots_take_the_kernel(monkeypatch):
-    """A bfloat16 model with head dim 64 (the kernel's layout probed exact): its one-token steps and verify slots go
-    through the kernel, and speculative greedy output equals plain `generate`'s token for token."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_output_stays_plain_generates_where_steps_and_slots_take_the_kernel(monkeypatch, dtype):
+    """A model with head dim 64 (the kernel's layout probed exact in its dtype): its one-token steps and verify slots
+    go through the kernel, and speculative greedy output equals plain `generate`'s token for token."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
@@ -121,9 +126,9 @@ def test_greedy_output_stays_plain_generates_where_steps_and_slots_take_the_kern
         bos_token_id=None,
         eos_token_id=None,
     )
-    target = LlamaForCausalLM(config).eval().bfloat16()
-    _exact_here(4, 2, 64)
-    drafter = make_drafter(target, block_size=4, seed=3, scale=4.0).bfloat16()
+    target = LlamaForCausalLM(config).eval().to(dtype)
+    _exact_here(4, 2, 64, dtype)
+    drafter = make_drafter(target, block_size=4, seed=3, scale=4.0).to(dtype)
     served = []
     real = exact_verify.one_query_calls
 

@@ -1,9 +1,9 @@
-// One-query bfloat16 attention in the order PyTorch's CPU flash-attention kernel computes it where its products run
-// through oneDNN with native bfloat16 instructions (avx512_bf16: Zen 4 EPYC), so that a decoding step or each slot
-// of a verify gets the bits of its own `F.scaled_dot_product_attention` call, 5-7x faster a call, and a verify's
-// slots in one call (the last n queries of a row, query i over the keys up to its own).
+// One-query attention in the order PyTorch's CPU flash-attention kernel computes it, so that a decoding step or each
+// slot of a verify gets the bits of its own `F.scaled_dot_product_attention` call, several times faster a call, and
+// a verify's slots in one call (the last n queries of a row, query i over the keys up to its own).
 //
-// Per query head (key/value head h / (H / Hkv)), over L <= 512 keys (one key block of PyTorch's kernel):
+// bfloat16, where its products run through oneDNN with native bfloat16 instructions (avx512_bf16: Zen 4 EPYC). Per
+// query head (key/value head h / (H / Hkv)), over L <= 512 keys (one key block of PyTorch's kernel):
 //   q·k: each key's dot product over the D dimensions, dimension d into float32 accumulator d mod 4 (chained over
 //        D / 4 steps, multiply then add), then (a0 + a2) + (a1 + a3); four keys a vector;
 //   times the scale, the maximum, exp(s - max) via ATen's `fexp_u20` (16-lane vectors; `std::exp` for the L mod 16
@@ -12,6 +12,12 @@
 //        splits them in two when it runs on more than one thread), each part in aligned groups of four keys summed
 //        (t0 + t2) + (t1 + t3) and chained, the 1-3 keys left added last key first; parts added in order;
 //   times 1 / sum, rounded to bfloat16.
+// float32, where PyTorch's float32 products are MKL's (an AMX Xeon: found by summing +M, -M and ones,
+// docs/exactness.md): q·k as MKL's gemv sums it for keys in whole groups of four (`dot4_f32`), the 1-3 keys left
+// through MKL's own `sgemm_` (exported by libtorch_cpu) as PyTorch's kernel calls it; times the scale, the maximum,
+// exp(s - max) via ATen's `exp_u20` in 16-lane vectors summed lane by lane then across lanes, the L mod 16 left
+// through exp in double rounded to float and added one by one (`weights_f32`); p·v as MKL's gemv sums it
+// (`weighted_values_f32`); times 1 / sum. 2-3x faster than a call per query, and a verify's slots in one call.
 // Compiled with ATen's AVX-512 vectors (-DCPU_CAPABILITY_AVX512) and -ffp-contract=off. Whether this matches the
 // installed PyTorch on this CPU, and with how many parts, is probed bit for bit before use
 // (hf_blockpilot/attention_kernel.py); nothing assumes it.
@@ -167,14 +173,138 @@ void weighted_values(const float* p, const at::BFloat16* v, int64_t v_row, int64
   }
 }
 
+// s <- s * scale; s <- exp(s - max(s)); returns their sum (PyTorch's float32 softmax of one key block)
+float weights_f32(float* s, int64_t L, float scale) {
+  const int64_t n = Vec::size();
+  const int64_t vectors = n * (L / n);
+  float top = -INFINITY;
+  Vec vtop(top);
+  const Vec vscale(scale);
+  int64_t i = 0;
+  for (; i < vectors; i += n) {
+    const Vec t = Vec::loadu(s + i) * vscale;
+    vtop = at::vec::maximum(vtop, t);
+    t.store(s + i);
+  }
+  for (; i < L; ++i) {
+    const float t = s[i] * scale;
+    top = std::max(top, t);
+    s[i] = t;
+  }
+  top = std::max(top, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vtop));
+  const Vec vmax(top);
+  Vec acc(0.f);
+  for (i = 0; i < vectors; i += n) {
+    const Vec t = (Vec::loadu(s + i) - vmax).exp_u20();
+    acc = acc + t;
+    t.store(s + i);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < L; ++i) {
+    const float t = static_cast<float>(std::exp(static_cast<double>(s[i] - top)));
+    sum += t;
+    s[i] = t;
+  }
+  return sum;
+}
+
 }  // namespace
 
-// q (1, H, n, D), k / v (1, Hkv, L, D) bfloat16 CPU tensors, each with unit stride in D -> (1, H, n, D): query i
-// (the i-th of the last n positions) over the first L - n + 1 + i keys, each as its own one-query call computes it
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+namespace {
+
+// PyTorch's `cpublas::gemm` for float32 as its flash kernel calls it, leading dimensions normalized as it does
+void blas(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+          float* c, int64_t ldc) {
+  if (n == 1) ldc = m;
+  if (ta != 'n' ? m == 1 : k == 1) lda = ta != 'n' ? k : m;
+  if (tb == 'n' && n == 1) ldb = k;
+  const int M = m, N = n, K = k, LDA = lda, LDB = ldb, LDC = ldc;
+  const float one = 1.f, zero = 0.f;
+  sgemm_(&ta, &tb, &M, &N, &K, &one, a, &LDA, b, &LDB, &zero, c, &LDC);
+}
+
+// A 16-lane vector summed by halves: lanes (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1).
+inline float halves(__m512 v) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// q·k of four keys, each as MKL's float32 gemv sums a key of its whole groups of four: lane 0 of 16 starts at
+// dimension 0's product, dimensions 1.. fused-multiply-added into lane (d - 1) mod 16 a vector at a time, summed by
+// halves, the 1-15 left fused-multiply-added into a fresh vector whose lane 0 holds that sum, summed by halves again
+inline void dot4_f32(const float* q, const float* k, int64_t k_row, int64_t D, float* s) {
+  const int64_t vectors = (D - 1) / 16, left = (D - 1) - 16 * vectors;
+  __m512 acc[4];
+  for (int j = 0; j < 4; ++j) acc[j] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(k[j * k_row] * q[0]));
+  for (int64_t v = 0; v < vectors; ++v) {
+    const __m512 qv = _mm512_loadu_ps(q + 1 + 16 * v);
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k + j * k_row + 1 + 16 * v), qv, acc[j]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+  const __m512 qv = _mm512_maskz_loadu_ps(mask, q + 1 + 16 * vectors);
+  for (int j = 0; j < 4; ++j) {
+    s[j] = halves(acc[j]);
+    if (left) {
+      const __m512 seeded = _mm512_maskz_mov_ps(1, _mm512_set1_ps(s[j]));
+      const __m512 kv = _mm512_maskz_loadu_ps(mask, k + j * k_row + 1 + 16 * vectors);
+      s[j] = halves(_mm512_mask3_fmadd_ps(kv, qv, seeded, mask));
+    }
+  }
+}
+
+// out (D) <- sum_j p[j] v[j] as MKL's float32 gemv sums it: per 16 output dimensions, each 8 keys j..j+7 into the
+// running sum as fma(p6, v6, .), fma(p4, v4, .), + fma(p5, v5, p7 v7), + (fma(p0, v0, p2 v2) + fma(p1, v1, p3 v3)),
+// then the L mod 8 keys left fused-multiply-added in order
+void weighted_values_f32(const float* p, const float* v, int64_t v_row, int64_t L, int64_t D, float* out) {
+  for (int64_t c = 0; c < D; c += 16) {
+    const float* vc = v + c;
+    const auto P = [&](int64_t j) { return _mm512_set1_ps(p[j]); };
+    const auto V = [&](int64_t j) { return _mm512_loadu_ps(vc + j * v_row); };
+    const auto pair = [&](int64_t a, int64_t b) { return _mm512_fmadd_ps(P(a), V(a), _mm512_mul_ps(P(b), V(b))); };
+    __m512 acc = _mm512_setzero_ps();
+    int64_t x = 0;
+    for (; x + 8 <= L; x += 8) {
+      acc = _mm512_fmadd_ps(P(x + 6), V(x + 6), acc);
+      acc = _mm512_fmadd_ps(P(x + 4), V(x + 4), acc);
+      acc = _mm512_add_ps(acc, pair(x + 5, x + 7));
+      acc = _mm512_add_ps(acc, _mm512_add_ps(pair(x, x + 2), pair(x + 1, x + 3)));
+    }
+    for (; x < L; ++x) acc = _mm512_fmadd_ps(P(x), V(x), acc);
+    _mm512_storeu_ps(out + c, acc);
+  }
+}
+
+// one query over L keys: out <- softmax(scale q·k) v, as PyTorch's flash kernel computes a one-query call: the keys
+// in whole groups of four (`dot4_f32`), the 1-3 left through MKL itself (its gemv's remainder), p·v as MKL sums it
+void one_query_f32(const float* q, const float* k, int64_t k_row, const float* v, int64_t v_row, int64_t L, int64_t D,
+                   float scale, float* s, float* out) {
+  const int64_t grouped = L / 4 * 4;
+  for (int64_t j = 0; j < grouped; j += 4) dot4_f32(q, k + j * k_row, k_row, D, s + j);
+  if (grouped < L) blas('t', 'n', L - grouped, 1, D, k + grouped * k_row, k_row, q, D, s + grouped, L - grouped);
+  const float sum = weights_f32(s, L, scale);
+  weighted_values_f32(s, v, v_row, L, D, out);
+  const Vec reciprocal(1.f / sum);
+  at::vec::map<float>([reciprocal](Vec x) { return x * reciprocal; }, out, out, D);
+}
+
+}  // namespace
+
+// q (1, H, n, D), k / v (1, Hkv, L, D) CPU tensors of one dtype (bfloat16, or float32 where `has_float32`), each with
+// unit stride in D -> (1, H, n, D): query i (the i-th of the last n positions) over the first L - n + 1 + i keys, each
+// as its own one-query call computes it (`parts`: bfloat16's p·v split; float32 takes MKL's own)
 torch::Tensor one_query_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t parts) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: 4-D (batch, heads, tokens, head dim)");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "bfloat16 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "q, k, v: one dtype");
+  TORCH_CHECK(dtype == at::kBFloat16 || (dtype == at::kFloat && sgemm_ != nullptr),
+              "bfloat16, or float32 where PyTorch's BLAS is MKL");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   const int64_t H = q.size(1), n = q.size(2), Hkv = k.size(1), L = k.size(2), D = q.size(3);
   TORCH_CHECK(q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1, "one row");
@@ -185,13 +315,26 @@ torch::Tensor one_query_attention(torch::Tensor q, torch::Tensor k, torch::Tenso
   TORCH_CHECK(parts == 1 || parts == 2, "parts: 1 or 2");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "unit stride in the head dim");
   auto out = torch::empty({1, H, n, D}, q.options());
+  const int64_t groups = H / Hkv, q_head = q.stride(1), q_row = q.stride(2);
+  const int64_t k_head = k.stride(1), k_row = k.stride(2), v_head = v.stride(1), v_row = v.stride(2);
+  const float scale_f = static_cast<float>(scale);
+  if (dtype == at::kFloat) {
+    const float *Q = q.const_data_ptr<float>(), *K = k.const_data_ptr<float>(), *V = v.const_data_ptr<float>();
+    float* O = out.data_ptr<float>();
+    at::parallel_for(0, H * n, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float s[kMaxKeys];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t h = item / n, i = item % n, kv = h / groups, keys = L - n + 1 + i;
+        one_query_f32(Q + h * q_head + i * q_row, K + kv * k_head, k_row, V + kv * v_head, v_row, keys, D, scale_f, s,
+                      O + item * D);
+      }
+    });
+    return out;
+  }
   const auto* Q = q.const_data_ptr<at::BFloat16>();
   const auto* K = k.const_data_ptr<at::BFloat16>();
   const auto* V = v.const_data_ptr<at::BFloat16>();
   auto* O = out.data_ptr<at::BFloat16>();
-  const int64_t groups = H / Hkv, q_head = q.stride(1), q_row = q.stride(2);
-  const int64_t k_head = k.stride(1), k_row = k.stride(2), v_head = v.stride(1), v_row = v.stride(2);
-  const float scale_f = static_cast<float>(scale);
   at::parallel_for(0, H * n, 1, [&](int64_t begin, int64_t end) {
     float s[kMaxKeys], p[kMaxKeys];
     for (int64_t item = begin; item < end; ++item) {
@@ -204,7 +347,11 @@ torch::Tensor one_query_attention(torch::Tensor q, torch::Tensor k, torch::Tenso
   return out;
 }
 
+// Whether this build can serve float32 (PyTorch's BLAS exports MKL's `sgemm_`).
+bool has_float32() { return sgemm_ != nullptr; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("one_query_attention", &one_query_attention,
-        "One row's last queries, each as a one-query bfloat16 SDPA call over the keys up to it computes it");
+        "One row's last queries, each as a one-query SDPA call over the keys up to it computes it");
+  m.def("has_float32", &has_float32);
 }
