@@ -448,21 +448,22 @@ def test_the_slot_call_loop_is_refused_where_it_rounds_unlike_sdpa(monkeypatch):
     assert not exact_verify.slot_calls_match_sdpa(torch.bfloat16, 4, 2, 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_a_calls_attention_kernels_are_built_and_probed_before_it_decodes(monkeypatch, batch_size):
+def test_a_calls_attention_kernels_are_built_and_probed_before_it_decodes(monkeypatch, batch_size, dtype):
     """The view a call verifies with has probed (built first, where a compiler is) the attention kernels its forwards
     may take for the target's head layout, so no one-time build or probe lands inside a round (the speculation
     guard times rounds)."""
     monkeypatch.setattr(attention_kernel, "_exact_parts", {})
     monkeypatch.setattr(exact_verify, "_slot_calls_match", {})
-    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=1).to(torch.bfloat16)
+    target = make_target("qwen3", vocab_size=48, hidden_size=64, seed=1).to(dtype)
     config = target.config
     exact_verify.verify_view(target, batch_size)
     layout = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     if batch_size == 1:
-        assert list(attention_kernel._exact_parts) == [(*layout, torch.get_num_threads())]
+        assert list(attention_kernel._exact_parts) == [(dtype, *layout, torch.get_num_threads())]
         assert not exact_verify._slot_calls_match
     else:
         groups = layout[0] // layout[1]
-        assert list(exact_verify._slot_calls_match) == [(torch.bfloat16, layout[0], groups, layout[2])]
+        assert list(exact_verify._slot_calls_match) == [(dtype, layout[0], groups, layout[2])]
         assert not attention_kernel._exact_parts
