@@ -24,12 +24,14 @@ BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 
 
 def _machine_tag(source: Path, flags: Sequence[str]) -> str:
-    """What a build depends on (it is compiled for this CPU): CPU model and flags, torch version, source, flags; and
-    where the source lies, as the build files name it: two installs sharing one build would rebuild it in turn."""
+    """What a build depends on (it is compiled for this CPU): CPU model and flags, torch version, source and the
+    headers beside it, flags; and where the source lies, as the build files name it: two installs sharing one build
+    would rebuild it in turn."""
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else [platform.processor()]
     cpu = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    text = "\n".join([*cpu, torch.__version__, source.read_text(), str(source.resolve()), *flags])
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]  # what the sources include
+    text = "\n".join([*cpu, torch.__version__, source.read_text(), *headers, str(source.resolve()), *flags])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -40,6 +40,9 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include "vec16.h"
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -319,15 +322,6 @@ torch::Tensor f32_rows(const torch::Tensor& x, const torch::Tensor& weight) {
 
 #if defined(__AVX512F__)
 namespace {
-
-// A 16-lane vector summed by halves: lanes (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1).
-inline float halves(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
 
 constexpr int64_t kAhead = 4;  // weight rows the loads prefetch ahead
 

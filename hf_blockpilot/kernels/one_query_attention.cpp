@@ -27,6 +27,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -94,8 +96,8 @@ void scores(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row, int64_t
   }
 }
 
-// s <- s * scale; p <- bfloat16(exp(s - max(s))); returns the sum of the unrounded exponentials
-float weights(float* s, int64_t L, float scale, float* p) {
+// s <- s * scale; returns max(s), as PyTorch's `_mul_reduce_max_fusion_kernel`: whole vectors, then the keys left
+float scale_and_max(float* s, int64_t L, float scale) {
   const int64_t n = Vec::size();
   const int64_t vectors = n * (L / n);
   float top = -INFINITY;
@@ -112,13 +114,21 @@ float weights(float* s, int64_t L, float scale, float* p) {
     top = std::max(top, t);
     s[i] = t;
   }
-  top = std::max(top, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vtop));
+  return std::max(top, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vtop));
+}
+
+// s <- s * scale; p <- bfloat16(exp(s - max(s))); returns the sum of the unrounded exponentials
+float weights(float* s, int64_t L, float scale, float* p) {
+  const int64_t n = Vec::size();
+  const int64_t vectors = n * (L / n);
+  const float top = scale_and_max(s, L, scale);
+  int64_t i = 0;
   // exp and the sum as PyTorch's `_exp_reduce_sum_fusion_kernel` for bfloat16 weights: 32 keys a step into two
   // vector sums, a last 16 into a third added to the first, the two added, then across lanes, then keys left
   const Vec vmax(top);
   Vec sums[2] = {Vec(0.f), Vec(0.f)}, tail(0.f);
   const int64_t pairs = 2 * n * (L / (2 * n));
-  for (i = 0; i < vectors; i += n) {
+  for (; i < vectors; i += n) {
     const Vec t = (Vec::loadu(s + i) - vmax).fexp_u20();
     if (i < pairs)
       sums[(i / n) % 2] = sums[(i / n) % 2] + t;
@@ -177,24 +187,11 @@ void weighted_values(const float* p, const at::BFloat16* v, int64_t v_row, int64
 float weights_f32(float* s, int64_t L, float scale) {
   const int64_t n = Vec::size();
   const int64_t vectors = n * (L / n);
-  float top = -INFINITY;
-  Vec vtop(top);
-  const Vec vscale(scale);
+  const float top = scale_and_max(s, L, scale);
   int64_t i = 0;
-  for (; i < vectors; i += n) {
-    const Vec t = Vec::loadu(s + i) * vscale;
-    vtop = at::vec::maximum(vtop, t);
-    t.store(s + i);
-  }
-  for (; i < L; ++i) {
-    const float t = s[i] * scale;
-    top = std::max(top, t);
-    s[i] = t;
-  }
-  top = std::max(top, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vtop));
   const Vec vmax(top);
   Vec acc(0.f);
-  for (i = 0; i < vectors; i += n) {
+  for (; i < vectors; i += n) {
     const Vec t = (Vec::loadu(s + i) - vmax).exp_u20();
     acc = acc + t;
     t.store(s + i);
@@ -225,15 +222,6 @@ void blas(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int
   const int M = m, N = n, K = k, LDA = lda, LDB = ldb, LDC = ldc;
   const float one = 1.f, zero = 0.f;
   sgemm_(&ta, &tb, &M, &N, &K, &one, a, &LDA, b, &LDB, &zero, c, &LDC);
-}
-
-// A 16-lane vector summed by halves: lanes (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1).
-inline float halves(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 // q·k of four keys, each as MKL's float32 gemv sums a key of its whole groups of four: lane 0 of 16 starts at
