@@ -342,15 +342,8 @@ inline void rows16(const float* const* x, const float* w, int64_t len, float* y,
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
   const __m512 wv = _mm512_maskz_loadu_ps(mask, w + 1 + 16 * vectors);
-  for (int r = 0; r < R; ++r) {
-    float sum = halves(acc[r]);
-    if (left) {
-      const __m512 seeded = _mm512_maskz_mov_ps(1, _mm512_set1_ps(sum));
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x[r] + 1 + 16 * vectors);
-      sum = halves(_mm512_mask3_fmadd_ps(wv, xv, seeded, mask));
-    }
-    y[r * stride] = sum;
-  }
+  for (int r = 0; r < R; ++r)
+    y[r * stride] = finish_order16(acc[r], wv, _mm512_maskz_loadu_ps(mask, x[r] + 1 + 16 * vectors), mask);
 }
 
 }  // namespace

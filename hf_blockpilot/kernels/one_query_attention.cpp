@@ -213,15 +213,12 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace {
 
-// PyTorch's `cpublas::gemm` for float32 as its flash kernel calls it, leading dimensions normalized as it does
-void blas(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-          float* c, int64_t ldc) {
-  if (n == 1) ldc = m;
-  if (ta != 'n' ? m == 1 : k == 1) lda = ta != 'n' ? k : m;
-  if (tb == 'n' && n == 1) ldb = k;
-  const int M = m, N = n, K = k, LDA = lda, LDB = ldb, LDC = ldc;
+// q·k of L keys (rows k_row apart) through MKL's `sgemm_`, as PyTorch's flash kernel asks `cpublas::gemm` for its
+// scores (K q, one column), with the leading dimensions `cpublas::gemm` normalizes to (a single key: lda = D)
+void mkl_scores(const float* q, const float* k, int64_t k_row, int64_t L, int64_t D, float* s) {
+  const int M = L, N = 1, K = D, LDA = L == 1 ? D : k_row, LDB = D, LDC = L;
   const float one = 1.f, zero = 0.f;
-  sgemm_(&ta, &tb, &M, &N, &K, &one, a, &LDA, b, &LDB, &zero, c, &LDC);
+  sgemm_("T", "N", &M, &N, &K, &one, k, &LDA, q, &LDB, &zero, s, &LDC);
 }
 
 // q·k of four keys, each as MKL's float32 gemv sums a key of its whole groups of four: lane 0 of 16 starts at
@@ -237,14 +234,8 @@ inline void dot4_f32(const float* q, const float* k, int64_t k_row, int64_t D, f
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
   const __m512 qv = _mm512_maskz_loadu_ps(mask, q + 1 + 16 * vectors);
-  for (int j = 0; j < 4; ++j) {
-    s[j] = halves(acc[j]);
-    if (left) {
-      const __m512 seeded = _mm512_maskz_mov_ps(1, _mm512_set1_ps(s[j]));
-      const __m512 kv = _mm512_maskz_loadu_ps(mask, k + j * k_row + 1 + 16 * vectors);
-      s[j] = halves(_mm512_mask3_fmadd_ps(kv, qv, seeded, mask));
-    }
-  }
+  for (int j = 0; j < 4; ++j)
+    s[j] = finish_order16(acc[j], _mm512_maskz_loadu_ps(mask, k + j * k_row + 1 + 16 * vectors), qv, mask);
 }
 
 // out (D) <- sum_j p[j] v[j] as MKL's float32 gemv sums it: per 16 output dimensions, each 8 keys j..j+7 into the
@@ -275,7 +266,7 @@ void one_query_f32(const float* q, const float* k, int64_t k_row, const float* v
                    float scale, float* s, float* out) {
   const int64_t grouped = L / 4 * 4;
   for (int64_t j = 0; j < grouped; j += 4) dot4_f32(q, k + j * k_row, k_row, D, s + j);
-  if (grouped < L) blas('t', 'n', L - grouped, 1, D, k + grouped * k_row, k_row, q, D, s + grouped, L - grouped);
+  if (grouped < L) mkl_scores(q, k + grouped * k_row, k_row, L - grouped, D, s + grouped);
   const float sum = weights_f32(s, L, scale);
   weighted_values_f32(s, v, v_row, L, D, out);
   const Vec reciprocal(1.f / sum);
