@@ -183,8 +183,8 @@ def main() -> None:
             best = max((n for n in cell if n.startswith("b=")), key=lambda n: cell[n]["pooled_speedup"])
             cell["best fixed"] = {"name": best, **cell[best]}
             # the per-prompt oracle: each prompt at its own fastest fixed width (or plain), known in hindsight
-            fixed = [ms for name, ms in per_prompt.items() if name.startswith("b=")]
-            oracle = {pid: min(plain[pid], *(ms[pid] for ms in fixed)) for pid in rows}
+            fixed = [times for name, times in per_prompt.items() if name.startswith("b=")]
+            oracle = {pid: min(plain[pid], *(times[pid] for times in fixed)) for pid in rows}
             cell["per-prompt oracle"] = {"pooled_speedup": sum(plain.values()) / sum(oracle.values())}
             results.setdefault(table_name, {})[dataset] = {"prompts": len(rows), "methods": cell}
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
