@@ -168,7 +168,8 @@ def main() -> None:
     results = {}
     for table_name, cost in tables.items():
         for dataset in args.datasets:
-            rows = acceptance[dataset]
+            # the prompts asked for (with --limit, the cached replay may hold more)
+            rows = {pid: acc for pid, acc in acceptance[dataset].items() if pid in states}
             tokens = {pid: len(next(iter(acc.values()))) + 1 for pid, acc in rows.items()}
             plain = {pid: n * cost.round_ms(1) for pid, n in tokens.items()}
             cell, per_prompt = {}, {}
