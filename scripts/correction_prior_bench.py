@@ -27,9 +27,9 @@ from hf_blockpilot.controllers import DraftController, PolicyBlockSize, Speculat
 from hf_blockpilot.costs import CostModel
 from hf_blockpilot.tools.loading import load_default_target, resolve_policy
 
-#: name -> (prior_trials, shape_trials); "shipped" is the library's default.
-VARIANTS = {
-    "shipped": (2.0, 2.0),
+#: name -> (prior_trials, shape_trials); None: the library's `PolicyBlockSize` as shipped.
+VARIANTS: dict[str, tuple[float, float | None] | None] = {
+    "shipped": None,
     "shape fades over 0.25 trials": (2.0, 0.25),
     "shape fades over 1 trial": (2.0, 1.0),
     "shape fades over 8 trials": (2.0, 8.0),
@@ -38,7 +38,6 @@ VARIANTS = {
     "prior 4 trials, shape 4": (4.0, 4.0),
     "prior 4 trials, shape 8": (4.0, 8.0),
 }
-FIXED = (2, 3, 4, 6, 8, 12, 16)
 
 
 class CorrectionVariant(PolicyBlockSize):
@@ -76,13 +75,16 @@ def main() -> None:
         cost = tables[table]
         return sum(decode(controller, acc, cost, states[pid], lm_head) for pid, acc in rows[dataset].items())
 
-    best_fixed = {cell: min(pooled_ms(DraftController(b), *cell) for b in FIXED) for cell in cells}
+    fixed = [b for b in policy.candidates if b > 1]  # the widths the policy chooses among, as width_choice_bench
+    best_fixed = {cell: min(pooled_ms(DraftController(b), *cell) for b in fixed) for cell in cells}
     results = {}
-    for name, (prior_trials, shape_trials) in VARIANTS.items():
-        default = SpeculationGuard(CorrectionVariant(policy, prior_trials, shape_trials), timing="modeled")
+    for name, variant in VARIANTS.items():
+        corrected = PolicyBlockSize(policy) if variant is None else CorrectionVariant(policy, *variant)
+        default = SpeculationGuard(corrected, timing="modeled")
         ratios = {f"{t} / {d}": best_fixed[(t, d)] / pooled_ms(default, t, d) for t, d in cells}
         values = sorted(ratios.values())
         worst = sorted(ratios, key=ratios.get)[:3]
+        prior_trials, shape_trials = (corrected.prior_trials, corrected.prior_trials) if variant is None else variant
         results[name] = {"prior_trials": prior_trials, "shape_trials": shape_trials, "vs_best_fixed": ratios}
         print(
             f"{name}: >= 1.000 on {sum(v >= 0.9995 for v in values)} of {len(values)}, lowest {values[0]:.3f}, "
