@@ -52,7 +52,7 @@ from .modeling_block_diffusion import BlockDiffusionDrafter, DraftCache, DraftCo
 logger = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cache entries are then re-measured.
-CALIBRATION_VERSION = 19  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
+CALIBRATION_VERSION = 20  # 2: half-precision verifies timed with one-token-exact attention; 3: batch axis;
 # 4: every CPU verify timed on the exact path, and probed (`inexact_rows`); 5: a batch's verify slot by slot;
 # 6: the CPU verify kernels gone (one timing per width); 7: prefills timed (`prefill_ms`); 8: bfloat16 verifies
 # through `row_kernel` where it probes exact; 9: a split linear's products in one batched call
@@ -67,7 +67,7 @@ CALIBRATION_VERSION = 19  # 2: half-precision verifies timed with one-token-exac
 # Xeon's products agreed with the native bfloat16 kernel, and its 64 x 64 products of k rows with one row's, on
 # random inputs only); 18: float32 verifies through `row_kernel.f32_rows16` (MKL's AVX-512 one-row order) where it
 # probes exact and pays; 19: one-query float32 attention (steps and verify slots) on `attention_kernel` where it
-# probes exact
+# probes exact; 20: a single request's forwards timed over `CALIBRATION_REPEATS` rounds (5 before)
 #: Widths timed by default (target forwards over n tokens; drafter blocks of n slots).
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: A single request's one-token steps take split or kernel one-row products (`CostModel.one_row_steps`), and a batch's
@@ -77,6 +77,11 @@ ONE_ROW_STEP_GAIN = 0.97
 #: CPU flags that change which matmul kernels run (and so every timing): part of the fingerprint.
 MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 CALIBRATE_ENV = "HF_BLOCKPILOT_CALIBRATE"
+#: Timed rounds of a single request's calibration. On a 2-core KVM Zen 5 EPYC one forward's time moves +-30 % call to
+#: call; a table of 5 rounds put the ratios decisions rest on (verify / step) 0.09-0.14 off (sd), which cost the
+#: default 0.8-1.2 % modeled on HumanEval and GSM8K (worst draw 5 %), 20 rounds 0.2-0.5 % (worst 2.4 %):
+#: scripts/calibration_noise_bench.py, docs/benchmarks.md "How noisy one calibration is".
+CALIBRATION_REPEATS = 20
 
 
 def cache_root() -> Path:
@@ -436,7 +441,7 @@ def calibrate(
     drafter: nn.Module,
     widths: Iterable[int] = DEFAULT_WIDTHS,
     context_tokens: int = 256,
-    repeats: int = 5,
+    repeats: int = CALIBRATION_REPEATS,
 ) -> Calibration:
     """Probe that verifies are exact here (`probe_exact_verify`), then time target forwards over each width's
     token count as `generate` verifies (on CPU the exact path), the drafter per width, and the sampling work,
