@@ -3,9 +3,9 @@
 Speed decisions (how wide to draft, how many drafts to verify, whether to speculate at all) are weighed against a
 `CostModel`. The first time a (device, dtype, thread count, target, drafter) pair decodes, `resolve_cost_model` times
 what those decisions need (target forwards over 1..max-width tokens at a realistic context, verified as `generate`
-verifies; the drafter per width; the sampling work) in a few seconds, and caches the result as JSON under the package
-cache, keyed by a fingerprint of the device (CPU model and its matmul flags, or GPU name and capability), torch version,
-threads, dtype and models.
+verifies; the drafter per width; the sampling work) over `CALIBRATION_REPEATS` interleaved rounds, in seconds, and
+caches the result as JSON under the package cache, keyed by a fingerprint of the device (CPU model and its matmul
+flags, or GPU name and capability), torch version, threads, dtype and models.
 Later runs read the cache (0 s); a damaged or mismatched entry is re-measured with one warning.
 
 Opt out with `HF_BLOCKPILOT_CALIBRATE=0` (the shipped tables are then used, named as fallbacks in
