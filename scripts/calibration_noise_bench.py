@@ -25,7 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from width_choice_bench import prefills
+from width_choice_bench import decode, prefills
 
 import hf_blockpilot.device_calibration as calibration
 from hf_blockpilot.controllers import DraftController, PolicyBlockSize, SpeculationGuard
@@ -66,23 +66,6 @@ def drawn_table(pooled: CostModel, samples: dict[str, list[float]], rounds: list
         target_ms={n: step if n == 1 else median[json.dumps(["target", n])] for n in pooled.target_ms},
         drafter_ms={n: median[json.dumps(["drafter", n])] for n in pooled.drafter_ms},
     )
-
-
-def decode(controller, accepted, decide: CostModel, truth: CostModel, prefill, lm_head) -> float:
-    """Modeled ms of one request: `controller` decides under `decide`, its rounds cost what `truth` says."""
-    c = controller.for_request()
-    c.use_cost_model(decide)
-    c.start(prefill, lm_head, 0.0)
-    n = len(next(iter(accepted.values())))
-    anchor, ms = 0, truth.round_ms(1)
-    while anchor < n:
-        width = min(c.width(), n - anchor + 1)
-        verified = 0 if width <= 1 else width - 1
-        taken = min(accepted.get(str(width), [0] * n)[anchor], verified) if width > 1 else 0
-        ms += truth.modeled_round_ms(width, verified)
-        c.observe(verified, taken)
-        anchor += taken + 1
-    return ms
 
 
 def main() -> None:
@@ -128,7 +111,9 @@ def main() -> None:
     default = SpeculationGuard(PolicyBlockSize(policy), timing="modeled")
 
     def pooled_ms(controller: DraftController, decide: CostModel, dataset: str) -> float:
-        return sum(decode(controller, acc, decide, pooled, states[pid], lm_head) for pid, acc in rows[dataset].items())
+        return sum(
+            decode(controller, acc, decide, states[pid], lm_head, truth=pooled) for pid, acc in rows[dataset].items()
+        )
 
     reference = {d: pooled_ms(default, pooled, d) for d in args.datasets}
     best_fixed = {

@@ -94,13 +94,22 @@ def prefills(args, target, tokenizer, policies) -> dict:
     return out
 
 
-def decode(controller: DraftController, accepted: dict[str, list[int]], cost: CostModel, prefill, lm_head) -> float:
-    """Modeled ms of one request decoded by `controller` along its replayed answer, the prefill as a plain step."""
+def decode(
+    controller: DraftController,
+    accepted: dict[str, list[int]],
+    cost: CostModel,
+    prefill,
+    lm_head,
+    truth: CostModel | None = None,
+) -> float:
+    """Modeled ms of one request decoded by `controller` along its replayed answer, the prefill as a plain step:
+    the controller decides under `cost`, its rounds cost what `truth` says (default: `cost`)."""
     c = controller.for_request()
     c.use_cost_model(cost)
     c.start(prefill, lm_head, 0.0)
+    truth = truth or cost
     n = len(next(iter(accepted.values())))
-    anchor, ms = 0, cost.round_ms(1)
+    anchor, ms = 0, truth.round_ms(1)
     while anchor < n:
         width = min(c.width(), n - anchor + 1)
         if width <= 1:
@@ -108,7 +117,7 @@ def decode(controller: DraftController, accepted: dict[str, list[int]], cost: Co
         else:
             verified = width - 1
             taken = min(accepted[str(width)][anchor] if str(width) in accepted else 0, verified)
-        ms += cost.modeled_round_ms(width, verified)
+        ms += truth.modeled_round_ms(width, verified)
         c.observe(verified, taken)
         anchor += taken + 1
     return ms
