@@ -188,10 +188,17 @@ def sampling_processors(
 def interleaved_median_ms(
     fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device, progress: tqdm | None = None
 ) -> dict[Any, float]:
-    """Median wall time (ms) of each function over `repeats` rounds, each round calling every function once.
+    """Median wall time (ms) of each function over `repeats` rounds (`interleaved_times_ms`)."""
+    return {key: statistics.median(t) for key, t in interleaved_times_ms(fns, repeats, device, progress).items()}
+
+
+def interleaved_times_ms(
+    fns: dict[Any, Callable[[], None]], repeats: int, device: torch.device, progress: tqdm | None = None
+) -> dict[Any, list[float]]:
+    """Wall times (ms) of each function over `repeats` rounds, each round calling every function once.
 
     Interleaving makes slow periods of a noisy host hit every variant alike instead of biasing whichever was
-    timed then; the first round is warm-up. `progress` advances by one per call.
+    timed then; a first round, not returned, is warm-up. `progress` advances by one per call.
     """
     times: dict[Any, list[float]] = {key: [] for key in fns}
     for _ in range(repeats + 1):
@@ -200,7 +207,7 @@ def interleaved_median_ms(
             times[key].append(1000 * seconds)
             if progress is not None:
                 progress.update()
-    return {key: statistics.median(t[1:]) for key, t in times.items()}
+    return {key: t[1:] for key, t in times.items()}
 
 
 def timed(run: Callable[[], Any], device: torch.device | str) -> tuple[Any, float]:

@@ -5,7 +5,8 @@ difference costs the default (issue 39; docs/benchmarks.md "How noisy one calibr
 
 1. Pool: `calibrate` once with `--pool-repeats` interleaved rounds, every timed call kept. The pool's medians are
    taken as this machine's costs ("pooled table").
-2. Tables as a calibration of `r` repeats would record them (r in --repeats; the library calibrates with 5):
+2. Tables as a calibration of `r` repeats would record them (r in --repeats; the library calibrates with
+   `CALIBRATION_REPEATS`, 5 before v20):
    `--tables-per-r` draws of r whole rounds from the pool, each function's median over them. Printed: the spread of
    the ratios decisions rest on (verify of n tokens / one-token step, drafter / step).
 3. Modeled (the replay of `scripts/width_choice_bench.py`, its cached acceptance.json in --replay-dir): the default
@@ -41,12 +42,9 @@ def pooled_calibration(dtype: torch.dtype, repeats: int) -> tuple[CostModel, dic
     library_median = calibration.interleaved_median_ms
 
     def keeping(fns, rounds, device, progress=None):
-        times = {key: [] for key in fns}
-        for _ in range(rounds + 1):
-            for key, fn in fns.items():
-                times[key].append(1000 * calibration.timed(fn, device)[1])
-        samples.update({json.dumps(key): t[1:] for key, t in times.items()})
-        return {key: statistics.median(t[1:]) for key, t in times.items()}
+        times = calibration.interleaved_times_ms(fns, rounds, device, progress)
+        samples.update({json.dumps(key): t for key, t in times.items()})
+        return {key: statistics.median(t) for key, t in times.items()}
 
     calibration.interleaved_median_ms = keeping  # this script's own process only
     try:
